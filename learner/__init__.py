@@ -1,0 +1,1 @@
+"""learner: the FSDP2 trainer, staleness filter, advantages and losses, checkpoints."""

@@ -1,0 +1,1 @@
+"""streamrl: the application package. The config root, the command line, the supervisor, the dashboard."""

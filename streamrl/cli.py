@@ -1,0 +1,102 @@
+"""The ``streamrl`` command line: one sub-command per role, plus ``up`` that supervises all of them."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from broker.configlib import ConfigError, dump_config, render_help
+from streamrl.config import StreamRLConfig, load
+
+USAGE = """usage: streamrl COMMAND [--config FILE.toml] [--section.field=value ...]
+
+Asynchronous streaming RL: SGLang (or built-in) engines -> Redis Stream -> FSDP2 learner -> weight sync.
+
+commands:
+{commands}
+
+`streamrl COMMAND --help` lists every config field the command reads, with its type, default and doc.
+Values come from the defaults, then REDIS_URL, then --config, then the dotted overrides."""
+
+
+@dataclass(frozen=True)
+class Command:
+    summary: str
+    sections: tuple[str, ...]
+    run: Callable[[StreamRLConfig], int]
+
+
+def _not_yet(issue: int, what: str) -> Callable[[StreamRLConfig], int]:
+    def run(config: StreamRLConfig) -> int:
+        print(f"streamrl: {what} is not implemented yet (tracked in issue #{issue}).", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def _run_redis(config: StreamRLConfig) -> int:
+    from broker.main import run_redis
+
+    return run_redis(config.shared, config.redis)
+
+
+COMMANDS: dict[str, Command] = {
+    "redis": Command("run the embedded Redis server until stopped", ("shared", "redis"), _run_redis),
+    "engine": Command(
+        "serve a model over SGLang's HTTP protocol", ("shared", "engine"), _not_yet(3, "engine")
+    ),
+    "rollout": Command(
+        "run rollout workers writing trajectory groups to the stream",
+        ("shared", "broker", "engine", "rollout"),
+        _not_yet(3, "rollout"),
+    ),
+    "learner": Command(
+        "train from the stream and publish weights",
+        ("shared", "broker", "learner", "weight_sync"),
+        _not_yet(4, "learner"),
+    ),
+    "dashboard": Command("serve the live dashboard", ("shared", "dashboard"), _not_yet(6, "dashboard")),
+    "up": Command(
+        "start every role on this node under one supervisor",
+        tuple(StreamRLConfig.model_fields),
+        _not_yet(6, "up (the main job)"),
+    ),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = [f"  {name:<{width}}  {cmd.summary}" for name, cmd in COMMANDS.items()]
+    return USAGE.format(commands="\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = args[0], args[1:]
+    command = COMMANDS.get(name)
+    if command is None:
+        print(f"streamrl: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    if "-h" in rest or "--help" in rest:
+        print(
+            f"usage: streamrl {name} [--config FILE.toml] [--section.field=value ...]\n\n{command.summary}\n"
+        )
+        print(render_help(StreamRLConfig, command.sections))
+        return 0
+    try:
+        config = load(rest)
+    except ConfigError as exc:
+        print(f"streamrl {name}: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    dump_config(config, config.shared.run_dir / f"config.{name}.toml")
+    return command.run(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The embedded Redis server: a real process, password, AOF, noeviction, restart on the same data."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from broker.config import RedisServerConfig
+from broker.server import EmbeddedRedis, RedisServerError
+
+
+def test_server_settings(own_redis: EmbeddedRedis) -> None:
+    client = redis.Redis.from_url(own_redis.url)
+    assert client.ping()
+    assert client.config_get("appendonly")["appendonly"] == "yes"
+    assert client.config_get("appendfsync")["appendfsync"] == "everysec"
+    assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+    assert client.config_get("bind")["bind"].split()[0] == "127.0.0.1"
+    assert Path(client.config_get("dir")["dir"]) == own_redis.data_dir
+    assert oct((own_redis.data_dir / "password").stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(host="127.0.0.1", port=own_redis.port).ping()
+
+
+def test_always_fsync_selectable(tmp_path: Path) -> None:
+    with EmbeddedRedis(tmp_path, RedisServerConfig(appendfsync="always")) as server:
+        client = redis.Redis.from_url(server.url)
+        assert client.config_get("appendfsync")["appendfsync"] == "always"
+
+
+def test_kill9_and_restart_keeps_acknowledged_writes(own_redis: EmbeddedRedis) -> None:
+    client = redis.Redis.from_url(own_redis.url)
+    ids = [client.xadd("s", {"i": str(i)}) for i in range(200)]
+    own_redis.kill()
+    with pytest.raises(RedisServerError, match="exited with code"):
+        own_redis.check()
+    own_redis.start()
+    client = redis.Redis.from_url(own_redis.url)
+    assert [entry_id for entry_id, _ in client.xrange("s")] == ids
+
+
+def test_crashed_server_is_reported(own_redis: EmbeddedRedis) -> None:
+    assert own_redis.process is not None
+    os.kill(own_redis.process.pid, signal.SIGKILL)
+    own_redis.process.wait()
+    assert not own_redis.alive
+    with pytest.raises(RedisServerError):
+        own_redis.check()
+
+
+def test_bad_binary_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(RedisServerError, match="redis.binary"):
+        EmbeddedRedis(tmp_path, RedisServerConfig(binary="/nonexistent/redis-server"))
+
+
+def test_redis_command_runs_until_sigterm(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamrl", "redis", f"--shared.run_dir={tmp_path}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url_file = tmp_path / "redis" / "url"
+    deadline = time.monotonic() + 30
+    client = None
+    while time.monotonic() < deadline:
+        if url_file.is_file():
+            try:
+                client = redis.Redis.from_url(url_file.read_text().strip())
+                client.ping()
+                break
+            except redis.ConnectionError:
+                pass
+        time.sleep(0.1)
+    assert client is not None and client.ping()
+    client.set("k", "v")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "stopping redis" in err
+    assert client.connection_pool.connection_kwargs["password"] not in err
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(url_file.read_text().strip(), socket_connect_timeout=1).ping()
