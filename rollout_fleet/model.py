@@ -1,0 +1,117 @@
+"""The tiny model the project can always have: a character-level tokenizer and a small Qwen2 causal LM.
+
+Both are built locally (no hub downloads), deterministically from a seed, and saved as a normal Hugging Face
+directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json) that
+``AutoModelForCausalLM.from_pretrained``, ``AutoTokenizer.from_pretrained`` and SGLang load.
+The head dimension is 64 (hidden 128, 2 heads), which SGLang's attention backends support.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import string
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [PAD, EOS, UNK, IM_START, IM_END]
+# Printable ASCII plus newline, one token per character: digits, operators and a few words all fit.
+CHARACTERS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of the tiny Qwen2 model; the defaults give about 0.9M parameters."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 2
+    intermediate_size: int = 384
+    max_position_embeddings: int = 4096
+    seed: int = 0
+
+    def fingerprint(self) -> str:
+        payload = json.dumps({**asdict(self), "chars": "".join(CHARACTERS), "special": SPECIAL_TOKENS})
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: special tokens first, then one id per printable character."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=UNK, bos_token=None
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
+    """A freshly initialised Qwen2 causal LM; the same spec always gives the same weights."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        intermediate_size=spec.intermediate_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def cache_root() -> Path:
+    """Where built models are cached: $STREAMRL_CACHE, else ~/.cache/streamrl."""
+    return Path(os.environ.get("STREAMRL_CACHE", Path.home() / ".cache" / "streamrl"))
+
+
+def save_model_dir(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, path: Path) -> Path:
+    """Save atomically: write into a sibling temp directory, then rename, so a crash leaves no half model."""
+    path = Path(path)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        import shutil
+
+        shutil.rmtree(path)
+    tmp.rename(path)
+    return path
+
+
+def init_tiny_model(path: Path | None = None, spec: TinyModelSpec | None = None) -> Path:
+    """Create the base (untrained) tiny model at ``path`` (default: the cache) unless it is already there."""
+    spec = spec or TinyModelSpec()
+    path = Path(path) if path else cache_root() / "models" / f"tiny-qwen2-base-{spec.fingerprint()}"
+    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        return path
+    tokenizer = build_tokenizer()
+    return save_model_dir(build_model(spec, tokenizer), tokenizer, path)
