@@ -1,0 +1,204 @@
+"""Durable, atomic checkpoints with torch.distributed.checkpoint, and Hugging Face exports of the policy.
+
+Layout under ``RUN_DIR/checkpoints``::
+
+    step_00000010/            one complete checkpoint (never partially written: built in a .tmp dir, renamed)
+        model_optim/          DCP shards of the model and optimizer
+        rng_rank{r}.pt        per-rank RNG states
+        meta.json             step, policy version, scheduler state, the consumed ledger (written last)
+    LATEST                    name of the newest complete checkpoint (replaced atomically)
+
+The ledger records which stream entries the checkpoint contains (trained or dropped, keyed by group id), so
+after a crash the learner acknowledges exactly those and trains the rest once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+LATEST = "LATEST"
+
+
+@dataclass
+class LedgerEntry:
+    """One stream entry whose effect a checkpoint contains."""
+
+    entry_id: str
+    group_id: str
+    outcome: str  # "trained" or "dropped:<reason>"
+
+
+@dataclass
+class CheckpointMeta:
+    step: int
+    policy_version: int
+    scheduler: dict[str, Any] = field(default_factory=dict)
+    ledger: list[LedgerEntry] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> CheckpointMeta:
+        data = json.loads(text)
+        data["ledger"] = [LedgerEntry(**e) for e in data.get("ledger", [])]
+        return cls(**data)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    tmp.replace(path)
+    _fsync_dir(path.parent)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class CheckpointManager:
+    """Save and restore the learner's full state; every rank calls save() and load() together."""
+
+    def __init__(self, root: Path, keep_last: int = 3) -> None:
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, meta: CheckpointMeta) -> Path:
+        """Write a complete checkpoint, durable when this returns on every rank."""
+        name = f"step_{meta.step:08d}"
+        final, tmp = self.root / name, self.root / f"{name}.tmp"
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "model_optim"))
+        torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+        _barrier()
+        if _rank() == 0:
+            _write_durable(tmp / "meta.json", meta.to_json())
+            for child in tmp.rglob("*"):
+                if child.is_file():
+                    with open(child, "rb+") as fh:
+                        os.fsync(fh.fileno())
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            _fsync_dir(self.root)
+            _write_durable(self.root / LATEST, name)
+            self._prune()
+        _barrier()
+        return final
+
+    def _prune(self) -> None:
+        done = sorted(p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+        for old in done[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale_tmp in self.root.glob("step_*.tmp"):
+            shutil.rmtree(stale_tmp, ignore_errors=True)
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        pointer = self.root / LATEST
+        if pointer.is_file():
+            path = self.root / pointer.read_text().strip()
+            if (path / "meta.json").is_file():
+                return path
+        complete = sorted(p for p in self.root.glob("step_*") if (p / "meta.json").is_file())
+        return complete[-1] if complete else None
+
+    def read_meta(self, path: Path) -> CheckpointMeta:
+        return CheckpointMeta.from_json((path / "meta.json").read_text())
+
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> CheckpointMeta:
+        """Restore model, optimizer and this rank's RNG from ``path``; returns its meta."""
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path / "model_optim"))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        rng_file = path / f"rng_rank{_rank()}.pt"
+        if rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+        return self.read_meta(path)
+
+
+def export_hf(model: nn.Module, source_dir: Path, out_dir: Path) -> Path | None:
+    """Save the current policy as a Hugging Face directory (safetensors + config + tokenizer).
+
+    Every rank must call this (the full state dict is gathered); rank 0 writes and returns the path.
+    """
+    from safetensors.torch import save_file
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if _rank() != 0:
+        return None
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {
+        k: v.contiguous() for k, v in state.items() if not k.endswith("lm_head.weight") or not _tied(model)
+    }
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    for item in Path(source_dir).iterdir():
+        if (
+            item.suffix in (".json", ".txt", ".jinja", ".model")
+            and item.name != "model.safetensors.index.json"
+        ):
+            shutil.copy2(item, tmp / item.name)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def _tied(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "tie_word_embeddings", False))
