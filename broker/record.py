@@ -1,0 +1,372 @@
+"""The trajectory record, schema v1 (frozen): one stream entry is one prompt group.
+
+A group carries everything the learner needs to train on it without asking anyone else: the prompt and output
+token ids exactly as the engine returned them (never re-tokenised), the engine's behaviour log-probs, the
+policy version of every output token, a loss mask, the reward with its components and status, and enough ids
+to recognise a duplicate (group ids are a deterministic function of run, epoch, prompt index and attempt).
+
+Arrays are 1-D numpy arrays with the dtypes fixed by the schema (:data:`ARRAY_DTYPES`). Records decoded from
+the stream hold read-only views of the received bytes (no copy); copy before mutating them.
+
+:meth:`TrajectoryGroup.validate` runs before every write and after every read; it raises :class:`RecordError`
+naming the field path (``samples[3].logprobs[17]``) and the offending value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+KNOWN_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
+FINISH_REASONS = ("stop", "length", "abort")
+REWARD_STATUSES = ("ok", "timeout", "error")
+# Engines compute log-probs in reduced precision; a token with probability ~1 can come back slightly above 0.
+LOGPROB_EPS = 1e-3
+INT32_MAX = 2**31 - 1
+
+# Per-sample arrays and the dtype each one has on the wire and in memory (little-endian).
+ARRAY_DTYPES: dict[str, np.dtype] = {
+    "output_ids": np.dtype("<i4"),
+    "logprobs": np.dtype("<f4"),
+    "versions": np.dtype("<i4"),
+    "loss_mask": np.dtype("u1"),
+}
+PROMPT_DTYPE = np.dtype("<i4")
+
+
+class RecordError(ValueError):
+    """A record that does not satisfy schema v1. ``field`` is the path, ``value`` what was found there."""
+
+    def __init__(self, field: str, value: Any, reason: str) -> None:
+        self.field = field
+        self.value = value
+        self.reason = reason
+        shown = repr(value)
+        if len(shown) > 120:
+            shown = shown[:117] + "..."
+        super().__init__(f"{field} = {shown}: {reason}")
+
+
+def make_group_id(run_id: str, epoch: int, prompt_index: int, attempt: int) -> str:
+    """The deterministic id of a prompt group: the same prompt of the same epoch and attempt gives the same id,
+    so a group produced twice (a retried worker, a resubmission) is recognised as a duplicate."""
+    return f"{run_id}:e{epoch}:p{prompt_index}:a{attempt}"
+
+
+def as_array(value: Any, dtype: np.dtype, path: str) -> np.ndarray:
+    """``value`` (a list or an array) as a 1-D array of ``dtype``; refuses lossy conversions (floats to ints,
+    integers out of range, 2-D input) with a RecordError instead of silently changing the data."""
+    if isinstance(value, np.ndarray) and value.dtype == dtype and value.ndim == 1:
+        return value
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise RecordError(path, f"array of shape {arr.shape}", "must be 1-D")
+    if arr.size == 0:
+        return np.zeros(0, dtype=dtype)
+    if dtype.kind in "iu":
+        if arr.dtype.kind not in "iub":
+            raise RecordError(path, f"array of {arr.dtype}", f"must hold integers ({dtype})")
+        info = np.iinfo(dtype)
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < info.min or hi > info.max:
+            bad = lo if lo < info.min else hi
+            raise RecordError(path, bad, f"out of range for {dtype}")
+    elif arr.dtype.kind not in "iuf":
+        raise RecordError(path, f"array of {arr.dtype}", f"must hold numbers ({dtype})")
+    return arr.astype(dtype)
+
+
+def _arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and bool(np.array_equal(a, b, equal_nan=a.dtype.kind == "f"))
+    )
+
+
+def _check_int(path: str, value: Any, minimum: int | None = 0) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RecordError(path, value, "must be an int")
+    if minimum is not None and value < minimum:
+        raise RecordError(path, value, f"must be >= {minimum}")
+    if abs(value) > INT32_MAX:
+        raise RecordError(path, value, "out of int32 range")
+
+
+def _check_float(path: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise RecordError(path, value, "must be a float")
+    if not math.isfinite(value):
+        raise RecordError(path, value, "must be finite")
+
+
+def _check_str(path: str, value: Any, non_empty: bool = False) -> None:
+    if not isinstance(value, str):
+        raise RecordError(path, value, "must be a str")
+    if non_empty and not value:
+        raise RecordError(path, value, "must not be empty")
+
+
+def _check_float_dict(path: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise RecordError(path, value, "must be a dict[str, float]")
+    for key, item in value.items():
+        _check_str(f"{path}.<key>", key, non_empty=True)
+        _check_float(f"{path}[{key!r}]", item)
+
+
+def _check_array(path: str, arr: Any, dtype: np.dtype) -> None:
+    if not isinstance(arr, np.ndarray) or arr.ndim != 1:
+        raise RecordError(path, type(arr).__name__, f"must be a 1-D numpy array of {dtype}")
+    if arr.dtype != dtype:
+        raise RecordError(path, f"array of {arr.dtype}", f"dtype must be {dtype}")
+
+
+def _first_bad(path: str, arr: np.ndarray, bad: np.ndarray, reason: str) -> None:
+    """Raise naming the first index where the boolean mask ``bad`` (same shape as ``arr``) is set."""
+    if bad.any():
+        idx = int(np.flatnonzero(bad)[0])
+        value = arr[idx].item()
+        raise RecordError(f"{path}[{idx}]", value, reason)
+
+
+@dataclass(eq=False)
+class Sample:
+    """One completion of a prompt group. Arrays have one entry per output token (length T)."""
+
+    sample_index: int
+    output_ids: np.ndarray  # (T,) int32: token ids exactly as the engine returned them
+    logprobs: np.ndarray  # (T,) float32: behaviour log-prob of each output token under the sampling policy
+    versions: np.ndarray  # (T,) int32: policy version that generated each token
+    loss_mask: (
+        np.ndarray
+    )  # (T,) uint8: 1 = train on this token, 0 = masked (e.g. old-policy resubmitted prefix)
+    finish_reason: str  # "stop" | "length" | "abort"
+    truncated: bool
+    reward: float
+    reward_components: dict[str, float] = field(default_factory=dict)
+    reward_status: str = "ok"  # "ok" | "timeout" | "error"
+    reward_error: str = ""  # "" when ok
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: disabled
+    engine_id: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+    num_resubmits: int = 0
+
+    def __post_init__(self) -> None:
+        for name, dtype in ARRAY_DTYPES.items():
+            setattr(self, name, as_array(getattr(self, name), dtype, name))
+
+    def num_tokens(self) -> int:
+        """Output tokens of this sample."""
+        return int(self.output_ids.shape[0])
+
+    def min_version(self) -> int:
+        """Oldest policy version among this sample's tokens: what the staleness bound is checked against."""
+        return int(self.versions.min())
+
+    def max_version(self) -> int:
+        return int(self.versions.max())
+
+    def validate(self, path: str = "sample") -> None:
+        """Raise RecordError naming ``path.field[index]`` for the first violation of schema v1."""
+        _check_int(f"{path}.sample_index", self.sample_index)
+        n = None
+        for name, dtype in ARRAY_DTYPES.items():
+            arr = getattr(self, name)
+            _check_array(f"{path}.{name}", arr, dtype)
+            if n is None:
+                n = arr.shape[0]
+                if n == 0:
+                    raise RecordError(f"{path}.{name}", "[]", "must not be empty")
+            elif arr.shape[0] != n:
+                raise RecordError(
+                    f"{path}.{name}", f"length {arr.shape[0]}", f"must equal len(output_ids) = {n}"
+                )
+        _first_bad(f"{path}.output_ids", self.output_ids, self.output_ids < 0, "token ids must be >= 0")
+        lp = self.logprobs
+        _first_bad(f"{path}.logprobs", lp, ~np.isfinite(lp), "log-probs must be finite")
+        _first_bad(f"{path}.logprobs", lp, lp > LOGPROB_EPS, f"log-probs must be <= {LOGPROB_EPS}")
+        _first_bad(f"{path}.versions", self.versions, self.versions < 0, "versions must be >= 0")
+        _first_bad(f"{path}.loss_mask", self.loss_mask, self.loss_mask > 1, "loss mask must be 0 or 1")
+        self._validate_scalars(path)
+
+    def _validate_scalars(self, path: str) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise RecordError(f"{path}.finish_reason", self.finish_reason, f"must be one of {FINISH_REASONS}")
+        if not isinstance(self.truncated, bool):
+            raise RecordError(f"{path}.truncated", self.truncated, "must be a bool")
+        _check_float(f"{path}.reward", self.reward)
+        _check_float_dict(f"{path}.reward_components", self.reward_components)
+        if self.reward_status not in REWARD_STATUSES:
+            raise RecordError(
+                f"{path}.reward_status", self.reward_status, f"must be one of {REWARD_STATUSES}"
+            )
+        _check_str(f"{path}.reward_error", self.reward_error)
+        if (self.reward_status == "ok") != (self.reward_error == ""):
+            raise RecordError(
+                f"{path}.reward_error", self.reward_error, "must be empty exactly when reward_status is 'ok'"
+            )
+        _check_float(f"{path}.temperature", self.temperature)
+        if self.temperature < 0:
+            raise RecordError(f"{path}.temperature", self.temperature, "must be >= 0")
+        _check_float(f"{path}.top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise RecordError(f"{path}.top_p", self.top_p, "must be in (0, 1]")
+        _check_int(f"{path}.top_k", self.top_k, minimum=None)
+        if self.top_k == 0 or self.top_k < -1:
+            raise RecordError(f"{path}.top_k", self.top_k, "must be -1 (disabled) or >= 1")
+        _check_str(f"{path}.engine_id", self.engine_id)
+        _check_float_dict(f"{path}.timings", self.timings)
+        _check_int(f"{path}.num_resubmits", self.num_resubmits)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sample):
+            return NotImplemented
+        for name in self.__dataclass_fields__:
+            a, b = getattr(self, name), getattr(other, name)
+            if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+                if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and _arrays_equal(a, b)):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+
+@dataclass(eq=False)
+class TrajectoryGroup:
+    """All samples of one prompt: the unit of the stream, because group-relative advantages need the group."""
+
+    run_id: str
+    epoch: int
+    prompt_index: int
+    attempt: int
+    prompt_id: str
+    task: str
+    prompt_ids: np.ndarray  # (P,) int32: prompt token ids as sent to the engine
+    samples: list[Sample]
+    worker_id: str = ""
+    created_at: float = 0.0  # unix seconds
+    extra: dict[str, str] = field(default_factory=dict)  # small free-form strings, e.g. the reference answer
+    group_id: str = ""  # "" means make_group_id(run_id, epoch, prompt_index, attempt)
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = as_array(self.prompt_ids, PROMPT_DTYPE, "prompt_ids")
+        if not self.group_id and isinstance(self.run_id, str):
+            self.group_id = make_group_id(self.run_id, self.epoch, self.prompt_index, self.attempt)
+
+    def min_version(self) -> int:
+        """Oldest policy version of any token in the group (the group's staleness is set by it)."""
+        return min(s.min_version() for s in self.samples)
+
+    def max_version(self) -> int:
+        return max(s.max_version() for s in self.samples)
+
+    def num_tokens(self) -> int:
+        """Output tokens over all samples (prompt tokens not counted)."""
+        return sum(s.num_tokens() for s in self.samples)
+
+    def validate(self) -> None:
+        """Raise RecordError naming the field path and value of the first violation of schema v1."""
+        if self.schema_version not in KNOWN_SCHEMA_VERSIONS:
+            raise RecordError(
+                "schema_version", self.schema_version, f"unknown; known: {sorted(KNOWN_SCHEMA_VERSIONS)}"
+            )
+        _check_str("run_id", self.run_id, non_empty=True)
+        for name in ("epoch", "prompt_index", "attempt"):
+            _check_int(name, getattr(self, name))
+        expected = make_group_id(self.run_id, self.epoch, self.prompt_index, self.attempt)
+        if self.group_id != expected:
+            raise RecordError("group_id", self.group_id, f"must be make_group_id(...) = {expected!r}")
+        _check_str("prompt_id", self.prompt_id, non_empty=True)
+        _check_str("task", self.task)
+        _check_array("prompt_ids", self.prompt_ids, PROMPT_DTYPE)
+        if self.prompt_ids.shape[0] == 0:
+            raise RecordError("prompt_ids", "[]", "must not be empty")
+        _first_bad("prompt_ids", self.prompt_ids, self.prompt_ids < 0, "token ids must be >= 0")
+        _check_str("worker_id", self.worker_id)
+        _check_float("created_at", self.created_at)
+        if not isinstance(self.extra, dict):
+            raise RecordError("extra", self.extra, "must be a dict[str, str]")
+        for key, value in self.extra.items():
+            _check_str("extra.<key>", key, non_empty=True)
+            _check_str(f"extra[{key!r}]", value)
+        self._validate_samples()
+
+    def _validate_samples(self) -> None:
+        if not isinstance(self.samples, list) or not self.samples:
+            raise RecordError("samples", self.samples, "must be a non-empty list of Sample")
+        seen: set[int] = set()
+        for i, sample in enumerate(self.samples):
+            if not isinstance(sample, Sample):
+                raise RecordError(f"samples[{i}]", type(sample).__name__, "must be a Sample")
+            sample.validate(f"samples[{i}]")
+            if sample.sample_index in seen:
+                raise RecordError(f"samples[{i}].sample_index", sample.sample_index, "duplicate in group")
+            seen.add(sample.sample_index)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TrajectoryGroup):
+            return NotImplemented
+        for name in self.__dataclass_fields__:
+            a, b = getattr(self, name), getattr(other, name)
+            if name == "prompt_ids":
+                if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and _arrays_equal(a, b)):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+
+def synthetic_group(
+    rng: np.random.Generator,
+    run_id: str = "run",
+    prompt_index: int = 0,
+    num_samples: int = 8,
+    num_tokens: int = 64,
+    prompt_len: int = 32,
+    version: int = 0,
+    epoch: int = 0,
+    attempt: int = 0,
+) -> TrajectoryGroup:
+    """A valid group of random tokens with realistic shapes, for tests and benchmarks (never for training)."""
+    samples = []
+    for i in range(num_samples):
+        n = num_tokens
+        samples.append(
+            Sample(
+                sample_index=i,
+                output_ids=rng.integers(0, 150_000, n, dtype=np.int32),
+                logprobs=-rng.exponential(0.5, n).astype(np.float32),
+                versions=np.full(n, version, dtype=np.int32),
+                loss_mask=np.ones(n, dtype=np.uint8),
+                finish_reason="stop" if i % 2 else "length",
+                truncated=i % 2 == 0,
+                reward=float(i % 2),
+                reward_components={"correct": float(i % 2), "format": 1.0},
+                temperature=1.0,
+                top_p=1.0,
+                top_k=-1,
+                engine_id=f"engine-{i % 2}",
+                timings={"generate_s": 0.5 + i, "reward_s": 0.01},
+            )
+        )
+    return TrajectoryGroup(
+        run_id=run_id,
+        epoch=epoch,
+        prompt_index=prompt_index,
+        attempt=attempt,
+        prompt_id=f"prompt-{prompt_index}",
+        task="addition",
+        prompt_ids=rng.integers(0, 150_000, prompt_len, dtype=np.int32),
+        samples=samples,
+        worker_id="worker-0",
+        created_at=1_700_000_000.0 + prompt_index,
+        extra={"answer": str(prompt_index)},
+    )
