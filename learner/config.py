@@ -2,9 +2,79 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, model_validator
 
 from broker.configlib import Section
+
+PolicyLossName = Literal["ppo", "decoupled_ppo", "tis", "icepop", "gspo"]
+Aggregation = Literal["token-mean", "seq-mean", "seq-mean-token-sum"]
+
+
+class LossConfig(Section):
+    """The policy loss and its knobs (docs/losses.md has every formula)."""
+
+    policy_loss: PolicyLossName = Field(
+        "decoupled_ppo", description="Policy loss by name: ppo, decoupled_ppo, tis, icepop or gspo."
+    )
+    aggregation: Aggregation = Field(
+        "token-mean",
+        description="token-mean over the step's valid tokens, seq-mean, or seq-mean-token-sum (Dr. GRPO).",
+    )
+    norm_length: int = Field(
+        1024, ge=1, description="Constant divisor of seq-mean-token-sum (Dr. GRPO's generation budget)."
+    )
+    eps_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below: ratio >= 1 - eps_low.")
+    eps_high: float = Field(
+        0.28, ge=0, description="PPO clip above: ratio <= 1 + eps_high (clip-higher when > eps_low)."
+    )
+    dual_clip: float | None = Field(
+        None, gt=1, description="Dual-clip bound c: a negative-advantage token's loss is at most c * |A|."
+    )
+    is_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="Importance weights per token, or per sequence (geometric mean) for decoupled_ppo/tis/icepop.",
+    )
+    behav_cap: float | None = Field(
+        5.0, gt=1, description="decoupled_ppo: bound on the behaviour weight pi_prox / mu (None: unbounded)."
+    )
+    behav_cap_mode: Literal["mask", "truncate"] = Field(
+        "mask", description="decoupled_ppo: zero the weight above behav_cap (mask) or clamp it to it."
+    )
+    tis_cap: float = Field(2.0, gt=0, description="tis: cap C of the weight min(pi_old / mu, C).")
+    icepop_low: float = Field(0.5, ge=0, description="icepop: weights below this are zeroed.")
+    icepop_high: float = Field(5.0, gt=0, description="icepop: weights above this are zeroed.")
+    gspo_eps_low: float = Field(3e-4, ge=0, lt=1, description="gspo: clip of the sequence ratio below.")
+    gspo_eps_high: float = Field(4e-4, ge=0, description="gspo: clip of the sequence ratio above.")
+    kl_coef: float = Field(
+        0.0, ge=0, description="Weight of the k3 KL to the frozen reference; 0 disables it."
+    )
+    log_ratio_clamp: float = Field(
+        20.0, gt=0, description="Log-ratios are clamped to +-this before exp, so staleness never gives inf."
+    )
+    mask_truncated: bool = Field(
+        False, description="Exclude outputs cut at the length limit (overlong) from the loss."
+    )
+
+    @model_validator(mode="after")
+    def _check_bands(self) -> LossConfig:
+        if self.icepop_low >= self.icepop_high:
+            raise ValueError(f"icepop_low = {self.icepop_low} must be below icepop_high = {self.icepop_high}")
+        return self
+
+
+class AdvantageConfig(Section):
+    """Group-relative advantage estimation and DAPO dynamic sampling."""
+
+    estimator: Literal["grpo", "dr_grpo", "rloo"] = Field(
+        "grpo", description="grpo (group mean/std), dr_grpo (mean only) or rloo (leave-one-out baseline)."
+    )
+    std_normalise: bool = Field(True, description="grpo: divide by the group's standard deviation.")
+    eps: float = Field(1e-6, gt=0, description="grpo: added to the group std before dividing.")
+    drop_zero_signal: bool = Field(
+        False, description="DAPO dynamic sampling: drop (and count) groups whose rewards are all equal."
+    )
 
 
 class LearnerConfig(Section):
@@ -16,4 +86,11 @@ class LearnerConfig(Section):
     checkpoint_every: int = Field(5, ge=1, description="Optimizer steps between durable checkpoints.")
     checkpoint_interval_s: float = Field(
         60.0, gt=0, description="Upper bound on the wall time between checkpoints, seconds."
+    )
+    micro_batch_tokens: int = Field(
+        8192, ge=1, description="Token budget of a micro-batch, counted padded (rows x longest row)."
+    )
+    loss: LossConfig = Field(default_factory=LossConfig, description="Policy loss selection and knobs.")
+    advantage: AdvantageConfig = Field(
+        default_factory=AdvantageConfig, description="Advantage estimator and dynamic sampling."
     )
