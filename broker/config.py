@@ -89,3 +89,12 @@ class BrokerConfig(Section):
     retry_backoff_s: float = Field(0.1, gt=0, description="First reconnect back-off; doubles up to 2 s.")
     socket_timeout_s: float = Field(10.0, gt=0, description="Socket timeout of Redis calls, seconds.")
     health_check_interval_s: int = Field(5, ge=0, description="redis-py health-check interval, seconds.")
+    control_stream: str = Field(
+        "control", description="Stream (and pub/sub channel) announcing published policy versions."
+    )
+    backpressure_timeout_s: float = Field(
+        3600.0, gt=0, description="Longest a producer waits for back-pressure to clear before raising."
+    )
+    metrics_maxlen: int = Field(
+        10_000, ge=1, description="Approximate length cap of each per-role metrics stream (metrics only)."
+    )

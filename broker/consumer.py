@@ -1,0 +1,449 @@
+"""The consumer: consumer groups, explicit acknowledgement, reclaiming, dead letters, duplicates, trimming.
+
+Delivery rules (docs/broker.md has the full story):
+
+* :meth:`Consumer.read` hands out decoded, validated groups. An entry that fails to decode or validate, or that
+  was delivered more than ``max_deliveries`` times, goes to the dead-letter stream with its reason and raw
+  fields, is acknowledged and leaves the backlog, all in one Lua script; the consumer moves on.
+* The caller acknowledges explicitly with :meth:`Consumer.ack` - the learner does so only once the checkpoint
+  containing the entries' effect is durable. XACK, the backlog decrement (by the number actually acknowledged)
+  and the record of acknowledged group ids happen in one Lua script, so a retried ack is harmless.
+* A group id that this consumer group already acknowledged, or that is already handed out under another entry
+  id, is a duplicate: it is acknowledged at once and counted, never handed out twice.
+* :meth:`Consumer.claim_stale` takes over entries a dead consumer left pending (XAUTOCLAIM after
+  ``claim_idle_ms``). After a reconnect (and on the first read) the consumer re-fetches its own pending entries
+  that it never handed out: a retried XREADGROUP may have lost a reply the server had already recorded.
+* :meth:`Consumer.trim` drops, with XTRIM MINID, only entries older than the oldest pending or undelivered
+  entry of every consumer group; nothing unacknowledged is ever trimmed.
+* :meth:`Consumer.drop` records a group the learner will not train on (stale, invalid, ...) in the durable
+  dropped stream, once per group id; the original entry is acknowledged with the next checkpoint as usual.
+
+The backlog counter counts the learner's consumer group (``BrokerConfig.consumer_group``); consumers of other
+groups (e.g. a monitor) acknowledge without touching it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from broker.client import BrokerKeys, connection_stats
+from broker.codec import decode
+from broker.config import BrokerConfig, SharedConfig
+from broker.record import KNOWN_SCHEMA_VERSIONS, RecordError, TrajectoryGroup
+
+_ACK = """
+-- KEYS: 1 stream, 2 backlog counter, 3 group-id hash, 4 acked set, 5 counters hash
+-- ARGV: 1 consumer group, 2 mode ('ack' | 'dup'), 3 counts backlog ('1' | '0'), 4 n, n ids, n group ids
+local n = tonumber(ARGV[4])
+local done, counted = 0, 0
+for i = 1, n do
+  local id, gid = ARGV[4 + i], ARGV[4 + n + i]
+  if redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
+    done = done + 1
+    if gid == '' then
+      local e = redis.call('XRANGE', KEYS[1], id, id)
+      if #e == 1 then
+        local f = e[1][2]
+        for j = 1, #f, 2 do if f[j] == 'gid' then gid = f[j + 1] end end
+      end
+    end
+    if gid ~= '' then
+      if ARGV[2] == 'ack' then redis.call('SADD', KEYS[4], gid) end
+      if redis.call('HGET', KEYS[3], gid) == id then counted = counted + 1 end
+    end
+  end
+end
+if ARGV[3] == '1' and counted > 0 then redis.call('DECRBY', KEYS[2], counted) end
+if done > 0 then
+  redis.call('HINCRBY', KEYS[5], ARGV[2] == 'ack' and 'acknowledged' or 'duplicates', done)
+end
+return done
+"""
+
+_DEAD_LETTER = """
+-- KEYS: 1 stream, 2 dead-letter stream, 3 backlog counter, 4 group-id hash, 5 counters hash
+-- ARGV: 1 consumer group, 2 entry id, 3 group id or '', 4 reason, 5 error, 6 consumer, 7 deliveries,
+--       8 counts backlog, 9.. raw field name/value pairs
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+local t = redis.call('TIME')
+local fields = {'reason', ARGV[4], 'error', ARGV[5], 'entry_id', ARGV[2], 'gid', ARGV[3],
+  'consumer_group', ARGV[1], 'consumer', ARGV[6], 'deliveries', ARGV[7],
+  'ts', t[1] .. '.' .. string.format('%06d', tonumber(t[2]))}
+for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('XADD', KEYS[2], '*', unpack(fields))
+if ARGV[8] == '1' and ARGV[3] ~= '' and redis.call('HGET', KEYS[4], ARGV[3]) == ARGV[2] then
+  redis.call('DECR', KEYS[3])
+end
+redis.call('HINCRBY', KEYS[5], 'dead_lettered', 1)
+redis.call('HINCRBY', KEYS[5], 'dead_lettered:' .. ARGV[4], 1)
+return 1
+"""
+
+_DROP = """
+-- KEYS: 1 dropped stream, 2 dropped index hash, 3 counters hash
+-- ARGV: 1 group id, 2 reason, 3.. field name/value pairs
+local existing = redis.call('HGET', KEYS[2], ARGV[1])
+if existing then return existing end
+local t = redis.call('TIME')
+local fields = {'gid', ARGV[1], 'reason', ARGV[2], 'ts', t[1] .. '.' .. string.format('%06d', tonumber(t[2]))}
+for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
+local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
+redis.call('HSET', KEYS[2], ARGV[1], id)
+redis.call('HINCRBY', KEYS[3], 'dropped', 1)
+redis.call('HINCRBY', KEYS[3], 'dropped:' .. ARGV[2], 1)
+return id
+"""
+
+_TRIM = """
+-- KEYS: 1 stream. Trim below the oldest entry that any consumer group has pending or not yet delivered.
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local function parse(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local function less(a, b)
+  local am, as = parse(a)
+  local bm, bs = parse(b)
+  return am < bm or (am == bm and as < bs)
+end
+local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
+if #groups == 0 then return 0 end
+local minid = nil
+for _, g in ipairs(groups) do
+  local name, last
+  for j = 1, #g, 2 do
+    if g[j] == 'name' then name = g[j + 1] end
+    if g[j] == 'last-delivered-id' then last = g[j + 1] end
+  end
+  local ms, seq = parse(last)
+  local keep = string.format('%d-%d', ms, seq + 1)
+  local p = redis.call('XPENDING', KEYS[1], name)
+  if p[1] > 0 and less(p[2], keep) then keep = p[2] end
+  if minid == nil or less(keep, minid) then minid = keep end
+end
+return redis.call('XTRIM', KEYS[1], 'MINID', minid)
+"""
+
+_REASON = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+@dataclass
+class Delivery:
+    """One entry handed to the caller: acknowledge it with ``Consumer.ack`` once its effect is durable."""
+
+    entry_id: str
+    group: TrajectoryGroup
+    delivery_count: int
+    nbytes: int  # payload size
+
+
+@dataclass
+class _Bad:
+    reason: str  # short code: decode, missing_field, schema_version, invalid, max_deliveries
+    error: str
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def classify(exc: RecordError) -> str:
+    """The dead-letter reason code of a record error (the full message goes with it)."""
+    if exc.field == "schema_version":
+        return "schema_version"
+    if exc.field == "<payload>":
+        return "decode"
+    if exc.reason.startswith("missing"):
+        return "missing_field"
+    return "invalid"
+
+
+def _check_entry(fields: dict[bytes, bytes]) -> tuple[str, TrajectoryGroup | _Bad]:
+    """Decode and validate one raw entry: (group id or '', the group or why it is bad)."""
+    gid = _text(fields.get(b"gid", b""))
+    missing = [k for k in ("v", "gid", "d") if k.encode() not in fields]
+    if missing:
+        return gid, _Bad(
+            "missing_field", f"entry field(s) {missing} missing; has {sorted(map(_text, fields))}"
+        )
+    try:
+        version = int(fields[b"v"])
+    except ValueError:
+        return gid, _Bad("schema_version", f"entry field v = {fields[b'v']!r}: not an int")
+    if version not in KNOWN_SCHEMA_VERSIONS:
+        return gid, _Bad("schema_version", f"entry field v = {version}: unknown schema version")
+    try:
+        group = decode(fields[b"d"])
+    except RecordError as exc:
+        return gid, _Bad(classify(exc), str(exc))
+    if group.group_id != gid:
+        return gid, _Bad(
+            "invalid", f"entry field gid = {gid!r} differs from the payload's {group.group_id!r}"
+        )
+    return gid, group
+
+
+class Consumer:
+    """Reads one consumer group of the trajectory stream under a stable consumer ``name`` (a learner that
+    restarts under the same name gets its unacknowledged entries back on its first read)."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        shared: SharedConfig,
+        config: BrokerConfig,
+        name: str,
+        consumer_group: str | None = None,
+    ) -> None:
+        if not name:
+            raise ValueError(f"consumer name = {name!r}: must not be empty")
+        self.client = client
+        self.config = config
+        self.name = name
+        self.group_name = consumer_group or config.consumer_group
+        self.counts_backlog = self.group_name == config.consumer_group
+        self.keys = BrokerKeys.of(shared, config)
+        self._ack = client.register_script(_ACK)
+        self._dead_letter = client.register_script(_DEAD_LETTER)
+        self._drop = client.register_script(_DROP)
+        self._trim = client.register_script(_TRIM)
+        self._handed: dict[str, str] = {}  # entry id -> group id: handed out, not yet acknowledged
+        self._handed_gids: dict[str, str] = {}  # group id -> entry id
+        self._seen_connects = -1  # connection count at the last recovery; -1: never recovered
+        self._claim_cursor = "0-0"
+        self._group_ready = False
+
+    # ----- setup and recovery -------------------------------------------------------------------------
+
+    async def ensure_group(self) -> None:
+        """Create the consumer group (and the stream) reading from the beginning; an existing group is fine."""
+        try:
+            await self.client.xgroup_create(self.keys.stream, self.group_name, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    async def _maybe_recover(self) -> list[Delivery]:
+        connects = connection_stats(self.client).connects
+        if connects == self._seen_connects:
+            return []
+        self._seen_connects = connects
+        return await self.recover_own()
+
+    async def recover_own(self) -> list[Delivery]:
+        """Re-fetch this consumer's pending entries that were never handed out (a lost XREADGROUP reply, or a
+        previous process with the same name); the delivery count goes up by one."""
+        lost: dict[str, int] = {}
+        start = "-"
+        while True:
+            rows = await self.client.xpending_range(
+                self.keys.stream, self.group_name, min=start, max="+", count=1000, consumername=self.name
+            )
+            for row in rows:
+                entry_id = _text(row["message_id"])
+                if entry_id not in self._handed:
+                    lost[entry_id] = int(row["times_delivered"]) + 1
+            if len(rows) < 1000:
+                break
+            start = "(" + _text(rows[-1]["message_id"])
+        if not lost:
+            return []
+        entries = await self.client.xclaim(
+            self.keys.stream, self.group_name, self.name, min_idle_time=0, message_ids=list(lost)
+        )
+        await self.client.hincrby(self.keys.counters, "recovered", len(entries))
+        return await self._process(entries, {_text(i): lost[_text(i)] for i, _ in entries})
+
+    # ----- reading --------------------------------------------------------------------------------------
+
+    async def read(self, count: int | None = None, block_ms: int | None = None) -> list[Delivery]:
+        """Up to ``count`` new valid groups, waiting up to ``block_ms`` (0: no wait) for the first. Bad entries
+        are dead-lettered on the way and duplicates acknowledged, so fewer than were read may come back."""
+        if not self._group_ready:
+            await self.ensure_group()
+        recovered = await self._maybe_recover()
+        if recovered:
+            return recovered
+        count = count or self.config.read_count
+        block = self.config.block_ms if block_ms is None else block_ms
+        res = await self.client.xreadgroup(
+            self.group_name, self.name, {self.keys.stream: ">"}, count=count, block=block or None
+        )
+        if not res:
+            return []
+        entries = res[0][1]
+        return await self._process(entries, {})
+
+    async def claim_stale(self, count: int | None = None) -> list[Delivery]:
+        """Take over entries another consumer left pending for more than ``claim_idle_ms`` (XAUTOCLAIM).
+        Call it periodically; each call continues the scan of the pending list where the last one stopped."""
+        if not self._group_ready:
+            await self.ensure_group()
+        count = count or self.config.read_count
+        cursor, entries, *_deleted = await self.client.xautoclaim(
+            self.keys.stream,
+            self.group_name,
+            self.name,
+            min_idle_time=self.config.claim_idle_ms,
+            start_id=self._claim_cursor,
+            count=count,
+        )
+        self._claim_cursor = _text(cursor)
+        # Our own handed-out entries may be idle that long too (a slow checkpoint): they stay ours, not new.
+        entries = [(i, f) for i, f in entries if _text(i) not in self._handed]
+        if not entries:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id, _ in entries:
+            pipe.xpending_range(self.keys.stream, self.group_name, min=entry_id, max=entry_id, count=1)
+        pipe.hincrby(self.keys.counters, "reclaimed", len(entries))
+        *pending, _ = await pipe.execute()
+        counts = {_text(p[0]["message_id"]): int(p[0]["times_delivered"]) for p in pending if p}
+        return await self._process(entries, counts)
+
+    async def _process(self, entries: list[tuple[Any, dict]], counts: dict[str, int]) -> list[Delivery]:
+        """Decode, validate, dead-letter the bad, acknowledge duplicates, hand out the rest."""
+        good: list[tuple[str, TrajectoryGroup, int, int]] = []
+        nbytes = 0
+        for raw_id, fields in entries:
+            entry_id = _text(raw_id)
+            size = len(fields.get(b"d", b""))
+            nbytes += size
+            deliveries = counts.get(entry_id, 1)
+            gid, checked = _check_entry(fields)
+            if isinstance(checked, _Bad):
+                await self._to_dead_letter(entry_id, gid, checked, deliveries, fields)
+            elif deliveries > self.config.max_deliveries:
+                bad = _Bad("max_deliveries", f"delivered {deliveries} times > max_deliveries")
+                await self._to_dead_letter(entry_id, gid, bad, deliveries, fields)
+            else:
+                good.append((entry_id, checked, deliveries, size))
+        out = await self._drop_duplicates(good, len(entries), nbytes)
+        for d in out:
+            self._handed[d.entry_id] = d.group.group_id
+            self._handed_gids[d.group.group_id] = d.entry_id
+        return out
+
+    async def _drop_duplicates(
+        self, good: list[tuple[str, TrajectoryGroup, int, int]], n_read: int, nbytes: int
+    ) -> list[Delivery]:
+        pipe = self.client.pipeline(transaction=False)
+        if good:
+            pipe.smismember(self.keys.acked(self.group_name), [g.group_id for _, g, _, _ in good])
+        pipe.hincrby(self.keys.counters, "consumed", n_read)
+        pipe.hincrby(self.keys.counters, "consumed_bytes", nbytes)
+        res = await pipe.execute()
+        acked = res[0] if good else []
+        out: list[Delivery] = []
+        dups: list[tuple[str, str]] = []
+        batch: set[str] = set()
+        for (entry_id, group, deliveries, size), was_acked in zip(good, acked, strict=True):
+            gid = group.group_id
+            held = self._handed_gids.get(gid)
+            if was_acked or (held is not None and held != entry_id) or gid in batch:
+                dups.append((entry_id, gid))
+                continue
+            batch.add(gid)
+            out.append(Delivery(entry_id, group, deliveries, size))
+        if dups:
+            await self._run_ack([i for i, _ in dups], [g for _, g in dups], mode="dup")
+        return out
+
+    async def _to_dead_letter(
+        self, entry_id: str, gid: str, bad: _Bad, deliveries: int, fields: dict[bytes, bytes]
+    ) -> None:
+        raw: list[Any] = []
+        for k, v in fields.items():
+            raw += [b"raw:" + (k if isinstance(k, bytes) else k.encode()), v]
+        args = [self.group_name, entry_id, gid, bad.reason, bad.error, self.name, deliveries]
+        args += ["1" if self.counts_backlog else "0", *raw]
+        keys = [self.keys.stream, self.keys.dead_letter, self.keys.backlog, self.keys.group_ids]
+        await self._dead_letter(keys=keys + [self.keys.counters], args=args)
+
+    # ----- acknowledging --------------------------------------------------------------------------------
+
+    async def ack(self, entries: list[str] | list[Delivery]) -> int:
+        """Acknowledge entries (ids or deliveries) and take them off the backlog; returns how many were pending
+        (a repeated ack returns 0 and changes nothing). Call only once their effect is durable."""
+        ids = [e.entry_id if isinstance(e, Delivery) else e for e in entries]
+        if not ids:
+            return 0
+        gids = [self._handed.get(i, "") for i in ids]
+        done = await self._run_ack(ids, gids, mode="ack")
+        for entry_id in ids:
+            gid = self._handed.pop(entry_id, None)
+            if gid is not None and self._handed_gids.get(gid) == entry_id:
+                del self._handed_gids[gid]
+        return done
+
+    async def _run_ack(self, ids: list[str], gids: list[str], mode: str) -> int:
+        keys = [
+            self.keys.stream,
+            self.keys.backlog,
+            self.keys.group_ids,
+            self.keys.acked(self.group_name),
+            self.keys.counters,
+        ]
+        args = [self.group_name, mode, "1" if self.counts_backlog else "0", len(ids), *ids, *gids]
+        return int(await self._ack(keys=keys, args=args))
+
+    async def is_duplicate(self, group_id: str) -> bool:
+        """Whether ``group_id`` was already acknowledged by this consumer group or is handed out right now."""
+        if group_id in self._handed_gids:
+            return True
+        return bool(await self.client.sismember(self.keys.acked(self.group_name), group_id))
+
+    @property
+    def outstanding(self) -> int:
+        """Entries handed out by this consumer and not yet acknowledged."""
+        return len(self._handed)
+
+    # ----- drops and trimming ---------------------------------------------------------------------------
+
+    async def drop(self, item: Delivery | TrajectoryGroup, reason: str, detail: str = "") -> str:
+        """Record in the durable dropped stream that a group is not trained on, and why (a short code such as
+        ``stale``, ``zero_signal``, ``reward_error``). Once per group id: a repeated drop returns the first
+        record's id. The original entry still has to be acknowledged with the next checkpoint."""
+        if not _REASON.match(reason):
+            raise ValueError(f"reason = {reason!r}: must be a short code like 'stale' ([a-z0-9_])")
+        group = item.group if isinstance(item, Delivery) else item
+        entry_id = item.entry_id if isinstance(item, Delivery) else ""
+        fields = {
+            "run_id": group.run_id,
+            "prompt_id": group.prompt_id,
+            "entry_id": entry_id,
+            "num_samples": len(group.samples),
+            "num_tokens": group.num_tokens(),
+            "min_version": group.min_version(),
+            "max_version": group.max_version(),
+            "consumer": self.name,
+            "detail": detail,
+        }
+        args: list[Any] = [group.group_id, reason]
+        for k, v in fields.items():
+            args += [k, v]
+        keys = [self.keys.dropped, self.keys.dropped_index, self.keys.counters]
+        return _text(await self._drop(keys=keys, args=args))
+
+    async def trim(self) -> int:
+        """XTRIM MINID below the oldest entry any consumer group has pending or not yet delivered; returns how
+        many entries were removed. Never removes an unacknowledged entry."""
+        return int(await self._trim(keys=[self.keys.stream]))
+
+
+async def dead_letters(client: aioredis.Redis, shared: SharedConfig, config: BrokerConfig) -> list[dict]:
+    """All dead-letter records (oldest first) as dicts of str -> bytes, with the stream id under ``id``."""
+    rows = await client.xrange(BrokerKeys.of(shared, config).dead_letter)
+    return [{"id": _text(i), **{_text(k): v for k, v in f.items()}} for i, f in rows]
+
+
+async def dropped(client: aioredis.Redis, shared: SharedConfig, config: BrokerConfig) -> list[dict]:
+    """All dropped-group records (oldest first) as dicts of str -> str."""
+    rows = await client.xrange(BrokerKeys.of(shared, config).dropped)
+    return [{"id": _text(i), **{_text(k): _text(v) for k, v in f.items()}} for i, f in rows]
