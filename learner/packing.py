@@ -1,0 +1,267 @@
+"""Token-budget packing of a step's sequences into micro-batches, balanced across data-parallel ranks.
+
+A step holds sequences of very different lengths (a few dozen tokens next to tens of thousands). Padding all
+of them to the longest wastes most of the compute, so:
+
+1. :func:`balance_ranks` splits the sequences across W ranks by real tokens (longest first, each to the
+   least-loaded rank), so the ranks' token totals differ by at most the longest sequence.
+2. :func:`plan_micro_batches` packs each rank's share into micro-batches whose PADDED size
+   (rows x longest row) fits ``token_budget``: sequences sorted longest first fill a micro-batch until the
+   next would overflow, so each micro-batch holds similar lengths and pads little. A sequence longer than
+   the budget gets a micro-batch of its own (it cannot be split without changing the loss); that micro-batch
+   exceeds the budget and is the only kind that may.
+3. :func:`plan_step` pads every rank with empty micro-batches up to the largest count: FSDP's collectives
+   run once per forward/backward, so a rank with fewer micro-batches would leave the others hanging.
+
+Layout of a :class:`MicroBatch` (``b`` rows, right-padded to the longest row ``L``): every tensor is
+``[b, L]`` and position ``t`` describes token ``input_ids[:, t]``. The log-prob of token ``t`` is predicted
+from the logits at position ``t - 1``; :func:`gather_logprobs` returns it at position ``t`` (position 0 gets
+0: nothing predicts the first token), so ``logp_new``, ``logp_behaviour``, ``advantages`` and ``loss_mask``
+line up index for index and go straight into :mod:`learner.losses`. Prompt tokens and padding have
+``loss_mask`` 0. An empty micro-batch is one dummy row of one attended pad token with ``loss_mask`` 0: the
+forward and backward run (and join the collectives) and contribute exactly zero loss and gradient.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from learner.config import Aggregation
+
+
+@dataclass(frozen=True)
+class TrainSequence:
+    """One sample to train on: the prompt and output tokens exactly as the engine saw and produced them.
+
+    ``prompt_ids [P]`` (P >= 1) and ``output_ids [O]`` are token ids; ``logprobs [O]`` (behaviour, from the
+    engine), ``versions [O]`` (policy version of each output token), ``loss_mask [O]`` (0/1) describe output
+    tokens; ``advantages`` is a float (the sample's advantage) or ``[O]`` per token. ``index`` is the caller's
+    id for the sequence (its position in the step), carried into ``MicroBatch.seq_index``.
+    """
+
+    prompt_ids: Tensor
+    output_ids: Tensor
+    logprobs: Tensor
+    versions: Tensor
+    loss_mask: Tensor
+    advantages: Tensor | float
+    index: int = -1
+
+    def __post_init__(self) -> None:
+        convert = {
+            "prompt_ids": torch.long,
+            "output_ids": torch.long,
+            "logprobs": torch.float32,
+            "versions": torch.long,
+            "loss_mask": torch.float32,
+        }
+        for name, dtype in convert.items():
+            object.__setattr__(self, name, torch.as_tensor(getattr(self, name), dtype=dtype).flatten())
+        if len(self.prompt_ids) < 1:
+            raise ValueError(
+                f"sequence {self.index}: prompt_ids is empty; at least one prompt token is needed"
+            )
+        n = len(self.output_ids)
+        for name in ("logprobs", "versions", "loss_mask"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"sequence {self.index}: {name} has {len(getattr(self, name))} entries, output_ids has {n}"
+                )
+        adv = torch.as_tensor(self.advantages, dtype=torch.float32)
+        if adv.dim() > 0 and adv.numel() != n:
+            raise ValueError(
+                f"sequence {self.index}: advantages has {adv.numel()} entries, output_ids has {n}"
+            )
+        object.__setattr__(self, "advantages", adv)
+
+    @property
+    def length(self) -> int:
+        """Tokens in the forward pass: prompt + output."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded ``[b, L]`` tensors for one forward/backward (layout in the module docstring)."""
+
+    input_ids: Tensor  # long [b, L]; pad_id in padding
+    attention_mask: Tensor  # long [b, L]; 1 on real tokens
+    position_ids: Tensor  # long [b, L]; 0..L-1 per row
+    logp_behaviour: Tensor  # float32 [b, L]; the engine's log-prob of token t, 0 off outputs
+    versions: Tensor  # long [b, L]; policy version of token t, -1 off outputs
+    loss_mask: Tensor  # float32 [b, L]; 1 where token t is trained
+    advantages: Tensor  # float32 [b, L]; 0 off outputs
+    seq_index: Tensor  # long [b]; TrainSequence.index per row, -1 for the dummy row
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (attended) tokens, the dummy row's excepted."""
+        return int(self.attention_mask[self.seq_index >= 0].sum())
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def is_empty(self) -> bool:
+        return bool((self.seq_index < 0).all())
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        return MicroBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Sequence indices per rank per micro-batch: ``ranks[r][k]`` lists the sequences of rank r's k-th
+    micro-batch (an empty list is an empty micro-batch). Every rank has the same number of micro-batches."""
+
+    ranks: list[list[list[int]]]
+    lengths: list[int]
+
+    @property
+    def micro_batches_per_rank(self) -> int:
+        return len(self.ranks[0]) if self.ranks else 0
+
+    def rank_tokens(self) -> list[int]:
+        """Real tokens per rank."""
+        return [sum(self.lengths[i] for mb in rank for i in mb) for rank in self.ranks]
+
+
+def _check_lengths(lengths: Sequence[int]) -> None:
+    for i, n in enumerate(lengths):
+        if n < 1:
+            raise ValueError(f"sequence {i} has length {n}; every sequence needs at least one token")
+
+
+def balance_ranks(lengths: Sequence[int], world_size: int) -> list[list[int]]:
+    """Split sequence indices across ``world_size`` ranks by real tokens (longest-processing-time first).
+
+    Each sequence, longest first, goes to the rank with the fewest tokens so far (ties: fewer sequences, then
+    lower rank), so ``max - min`` of the rank totals is at most the longest sequence.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size = {world_size} must be at least 1")
+    _check_lengths(lengths)
+    heap = [(0, 0, r) for r in range(world_size)]
+    ranks: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        tokens, count, r = heapq.heappop(heap)
+        ranks[r].append(i)
+        heapq.heappush(heap, (tokens + lengths[i], count + 1, r))
+    return ranks
+
+
+def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Pack sequence indices into micro-batches of padded size ``rows x longest <= token_budget``.
+
+    Longest first; a micro-batch takes the next sequence while ``(rows + 1) x its first (longest) length``
+    fits, so lengths within a micro-batch are neighbours in sorted order and padding stays small. A sequence
+    longer than the budget is alone in its micro-batch.
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget = {token_budget} must be at least 1")
+    _check_lengths(lengths)
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if current and (len(current) + 1) * longest > token_budget:
+            batches.append(current)
+            current = []
+        if not current:
+            longest = lengths[i]
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def plan_step(lengths: Sequence[int], world_size: int, token_budget: int) -> StepPlan:
+    """Balance across ranks, pack each rank by the budget, pad all ranks to the same micro-batch count."""
+    per_rank: list[list[list[int]]] = []
+    for share in balance_ranks(lengths, world_size):
+        local = plan_micro_batches([lengths[i] for i in share], token_budget)
+        per_rank.append([[share[j] for j in mb] for mb in local])
+    count = max((len(r) for r in per_rank), default=0)
+    for r in per_rank:
+        r.extend([] for _ in range(count - len(r)))
+    return StepPlan(ranks=per_rank, lengths=list(lengths))
+
+
+def collate(seqs: Sequence[TrainSequence], pad_id: int = 0) -> MicroBatch:
+    """Right-pad ``seqs`` into one :class:`MicroBatch`; no sequences gives the one-token dummy row."""
+    if not seqs:
+        one = torch.ones(1, 1, dtype=torch.long)
+        zero_f = torch.zeros(1, 1)
+        return MicroBatch(
+            input_ids=one * pad_id,
+            attention_mask=one,
+            position_ids=one * 0,
+            logp_behaviour=zero_f,
+            versions=-one,
+            loss_mask=zero_f.clone(),
+            advantages=zero_f.clone(),
+            seq_index=torch.tensor([-1]),
+        )
+    b, width = len(seqs), max(s.length for s in seqs)
+    mb = MicroBatch(
+        input_ids=torch.full((b, width), pad_id, dtype=torch.long),
+        attention_mask=torch.zeros(b, width, dtype=torch.long),
+        position_ids=torch.arange(width).expand(b, width).clone(),
+        logp_behaviour=torch.zeros(b, width),
+        versions=torch.full((b, width), -1, dtype=torch.long),
+        loss_mask=torch.zeros(b, width),
+        advantages=torch.zeros(b, width),
+        seq_index=torch.tensor([s.index for s in seqs], dtype=torch.long),
+    )
+    for row, s in enumerate(seqs):
+        p, n = len(s.prompt_ids), s.length
+        mb.input_ids[row, :p] = s.prompt_ids
+        mb.input_ids[row, p:n] = s.output_ids
+        mb.attention_mask[row, :n] = 1
+        mb.logp_behaviour[row, p:n] = s.logprobs
+        mb.versions[row, p:n] = s.versions
+        mb.loss_mask[row, p:n] = s.loss_mask
+        mb.advantages[row, p:n] = s.advantages
+    return mb
+
+
+def rank_micro_batches(
+    seqs: Sequence[TrainSequence], plan: StepPlan, rank: int, pad_id: int = 0
+) -> list[MicroBatch]:
+    """The collated micro-batches of ``rank`` under ``plan`` (``seqs`` indexed like ``plan.lengths``)."""
+    if len(seqs) != len(plan.lengths):
+        raise ValueError(f"plan covers {len(plan.lengths)} sequences, got {len(seqs)}")
+    return [collate([seqs[i] for i in mb], pad_id) for mb in plan.ranks[rank]]
+
+
+def step_loss_units(seqs: Sequence[TrainSequence], aggregation: Aggregation) -> int:
+    """The global loss normaliser of a step (see ``learner.losses.loss_units``): loss tokens for
+    ``token-mean``, sequences with at least one loss token for the ``seq-*`` modes."""
+    if aggregation == "token-mean":
+        return int(sum(int(s.loss_mask.sum()) for s in seqs))
+    return sum(1 for s in seqs if bool((s.loss_mask > 0).any()))
+
+
+def gather_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """``logits [b, L, V]``, ``input_ids [b, L]`` -> ``[b, L]``: at position t, log p(token t | tokens < t).
+
+    Computed from the logits at t - 1 as ``log_softmax(logits / temperature)``, the same quantity the engine
+    reports for a sampled token; position 0 is 0. Done in float32 with logsumexp (no [b, L, V] log-softmax
+    copy is kept beyond the one the division makes). Gradients flow into ``logits``.
+    """
+    if logits.shape[:2] != input_ids.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and input_ids {tuple(input_ids.shape)} disagree")
+    scaled = logits[:, :-1].float() / temperature
+    picked = scaled.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    token_logp = picked - torch.logsumexp(scaled, dim=-1)
+    return torch.cat([token_logp.new_zeros(token_logp.shape[0], 1), token_logp], dim=1)
