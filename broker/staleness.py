@@ -1,0 +1,333 @@
+"""The staleness rule: admission capacity for rollout workers and the consumption filter of the learner.
+
+Staleness of a token = learner_version - token_version, in policy versions. The bound ``eta`` is enforced
+twice (docs/losses.md, "Staleness"):
+
+- At admission, :class:`StalenessManager` (after AReaL's staleness manager) lets a worker start a group only
+  while ``capacity() > 0``, with
+
+      capacity = min(max_concurrent - running,
+                     (eta + version + 1) * groups_per_step - (accepted + running))
+
+  The learner consumes ``groups_per_step`` groups per version, so after version ``v`` it will have consumed
+  ``(v + 1) * groups_per_step`` groups by the end of the next step. Everything started so far (accepted or still
+  running) is consumed in order; bounding it by ``(eta + v + 1) * groups_per_step`` means a group started at
+  version ``v`` is consumed by version ``v + eta`` at the latest: at most ``eta`` versions stale. ``eta = 0``
+  allows exactly one step's worth of groups ahead of the learner: synchronous on-policy training.
+  A group that is dropped (rejected by the worker, or dropped by the learner after acceptance) no longer
+  counts, so it gives its capacity back and a replacement may start.
+- At consumption, :func:`check_staleness` drops a group whose oldest token is more than ``eta`` versions
+  behind the learner, with the reason ``"stale"`` and the staleness value.
+
+The formula assumes the version advances by one per ``groups_per_step`` groups consumed (it counts optimizer
+steps). A version that jumps (a resumed learner publishing a fresh version) briefly over-admits; the
+consumption filter still drops whatever that makes too stale.
+
+The counters are an injected :class:`StalenessCounters` so that every worker of the fleet shares one global
+count: :class:`InMemoryCounters` for one process and tests, :class:`RedisCounters` backed by a Redis hash
+updated by Lua scripts (atomic across processes and machines).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from broker.config import SharedConfig
+
+VersionSource = Callable[[], int | Awaitable[int]]
+
+
+@dataclass(frozen=True)
+class CounterSnapshot:
+    """Admission counters, in groups. ``running`` and ``accepted`` enter the capacity formula; ``started``,
+    ``rejected`` and ``dropped`` are cumulative, for metrics."""
+
+    running: int = 0
+    accepted: int = 0
+    started: int = 0
+    rejected: int = 0
+    dropped: int = 0
+
+
+class CounterError(RuntimeError):
+    """A transition that would make a counter negative: a group accepted, rejected or dropped twice."""
+
+
+class StalenessCounters(Protocol):
+    """Shared admission counters. Every method is atomic with respect to every other caller."""
+
+    async def snapshot(self) -> CounterSnapshot: ...
+
+    async def start(self, n: int) -> None:
+        """running += n, started += n, unconditionally."""
+
+    async def try_start(self, n: int, max_running: int, max_outstanding: int) -> bool:
+        """Start n groups iff running + n <= max_running and accepted + running + n <= max_outstanding."""
+
+    async def accept(self, n: int) -> None:
+        """running -= n, accepted += n (a finished group went into the stream)."""
+
+    async def reject(self, n: int) -> None:
+        """running -= n, rejected += n (a started group will never reach the stream)."""
+
+    async def drop(self, n: int) -> None:
+        """accepted -= n, dropped += n (the learner dropped an accepted group without training on it)."""
+
+
+class InMemoryCounters:
+    """Counters of one process (asyncio: each method runs without an await inside, hence atomically)."""
+
+    def __init__(self) -> None:
+        self._c = CounterSnapshot()
+
+    async def snapshot(self) -> CounterSnapshot:
+        return self._c
+
+    def _move(self, source: str | None, target: str, n: int) -> None:
+        _check_n(n)
+        values = vars(self._c).copy()
+        if source is not None:
+            if values[source] < n:
+                raise CounterError(f"cannot move {n} from {source} = {values[source]} to {target}")
+            values[source] -= n
+        values[target] += n
+        self._c = CounterSnapshot(**values)
+
+    async def start(self, n: int) -> None:
+        self._move(None, "running", n)
+        self._move(None, "started", n)
+
+    async def try_start(self, n: int, max_running: int, max_outstanding: int) -> bool:
+        c = self._c
+        if c.running + n > max_running or c.accepted + c.running + n > max_outstanding:
+            return False
+        await self.start(n)
+        return True
+
+    async def accept(self, n: int) -> None:
+        self._move("running", "accepted", n)
+
+    async def reject(self, n: int) -> None:
+        self._move("running", "rejected", n)
+
+    async def drop(self, n: int) -> None:
+        self._move("accepted", "dropped", n)
+
+
+_MOVE_LUA = """
+local n = tonumber(ARGV[3])
+if ARGV[1] ~= '' then
+  local have = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+  if have < n then
+    return redis.error_reply('cannot move ' .. n .. ' from ' .. ARGV[1] .. ' = ' .. have .. ' to ' .. ARGV[2])
+  end
+  redis.call('HINCRBY', KEYS[1], ARGV[1], -n)
+end
+redis.call('HINCRBY', KEYS[1], ARGV[2], n)
+return 1
+"""
+
+_TRY_START_LUA = """
+local n = tonumber(ARGV[1])
+local running = tonumber(redis.call('HGET', KEYS[1], 'running') or '0')
+local accepted = tonumber(redis.call('HGET', KEYS[1], 'accepted') or '0')
+if running + n > tonumber(ARGV[2]) or accepted + running + n > tonumber(ARGV[3]) then
+  return 0
+end
+redis.call('HINCRBY', KEYS[1], 'running', n)
+redis.call('HINCRBY', KEYS[1], 'started', n)
+return 1
+"""
+
+
+class RedisCounters:
+    """Counters in the Redis hash ``shared.key(name)``, changed only by Lua scripts (atomic server-side),
+    so every worker of the fleet and the learner see one global count."""
+
+    def __init__(self, client: aioredis.Redis, shared: SharedConfig, name: str = "admission") -> None:
+        self.client = client
+        self.key = shared.key(name)
+        self._move_script = client.register_script(_MOVE_LUA)
+        self._try_start_script = client.register_script(_TRY_START_LUA)
+
+    async def snapshot(self) -> CounterSnapshot:
+        names = [f.name for f in CounterSnapshot.__dataclass_fields__.values()]
+        values = await self.client.hmget(self.key, names)
+        return CounterSnapshot(**{k: int(v or 0) for k, v in zip(names, values, strict=True)})
+
+    async def _move(self, source: str, target: str, n: int) -> None:
+        _check_n(n)
+        try:
+            await self._move_script(keys=[self.key], args=[source, target, n])
+        except ResponseError as exc:
+            raise CounterError(f"{self.key}: {exc}") from None
+
+    async def start(self, n: int) -> None:
+        _check_n(n)
+        # try_start with limits no count reaches: the same two increments, in one script.
+        if not await self._try_start_script(keys=[self.key], args=[n, 2**62, 2**62]):
+            raise CounterError(f"{self.key}: unconditional start of {n} groups was refused")
+
+    async def try_start(self, n: int, max_running: int, max_outstanding: int) -> bool:
+        _check_n(n)
+        return bool(await self._try_start_script(keys=[self.key], args=[n, max_running, max_outstanding]))
+
+    async def accept(self, n: int) -> None:
+        await self._move("running", "accepted", n)
+
+    async def reject(self, n: int) -> None:
+        await self._move("running", "rejected", n)
+
+    async def drop(self, n: int) -> None:
+        await self._move("accepted", "dropped", n)
+
+
+def _check_n(n: int) -> None:
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"group count n = {n!r} must be a positive integer")
+
+
+class StalenessManager:
+    """Admission control by the staleness bound (formula in the module docstring), counted in groups."""
+
+    def __init__(
+        self,
+        eta: int,
+        groups_per_step: int,
+        max_concurrent: int,
+        version_source: VersionSource,
+        counters: StalenessCounters,
+    ) -> None:
+        if eta < 0:
+            raise ValueError(f"eta = {eta} must be >= 0")
+        if groups_per_step < 1:
+            raise ValueError(f"groups_per_step = {groups_per_step} must be >= 1")
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent = {max_concurrent} must be >= 1")
+        self.eta = eta
+        self.groups_per_step = groups_per_step
+        self.max_concurrent = max_concurrent
+        self.version_source = version_source
+        self.counters = counters
+
+    async def version(self) -> int:
+        """The current policy version from the injected source (a plain or an async callable)."""
+        value = self.version_source()
+        if inspect.isawaitable(value):
+            value = await value
+        if value < 0:
+            raise ValueError(f"policy version {value} from the version source is negative")
+        return int(value)
+
+    def max_outstanding(self, version: int) -> int:
+        """``(eta + version + 1) * groups_per_step``: groups that may be accepted or running at ``version``."""
+        return (self.eta + version + 1) * self.groups_per_step
+
+    async def capacity(self) -> int:
+        """Groups that may start now; 0 or negative means wait (negative after the version went back)."""
+        version = await self.version()
+        c = await self.counters.snapshot()
+        return min(self.max_concurrent - c.running, self.max_outstanding(version) - (c.accepted + c.running))
+
+    async def try_start(self, n: int = 1) -> bool:
+        """Atomically start ``n`` groups if the capacity allows it: the check and the increment happen in
+        one step, so concurrent workers can never overshoot the bound together."""
+        version = await self.version()
+        return await self.counters.try_start(n, self.max_concurrent, self.max_outstanding(version))
+
+    async def on_start(self, n: int = 1) -> None:
+        """Count ``n`` groups as running without checking (the caller checked :meth:`capacity`)."""
+        await self.counters.start(n)
+
+    async def on_accept(self, n: int = 1) -> None:
+        """``n`` running groups finished and went into the stream."""
+        await self.counters.accept(n)
+
+    async def on_reject(self, n: int = 1) -> None:
+        """``n`` running groups will never reach the stream (reward error, abort): their capacity comes back."""
+        await self.counters.reject(n)
+
+    async def on_drop(self, n: int = 1) -> None:
+        """The learner dropped ``n`` accepted groups (stale, zero signal, invalid): their capacity comes back,
+        because the learner consumes replacements for them in the same step."""
+        await self.counters.drop(n)
+
+
+def staleness(learner_version: int, token_version: int) -> int:
+    """Versions between the policy a token was sampled from and the learner's: ``learner - token``."""
+    return learner_version - token_version
+
+
+@dataclass(frozen=True)
+class StalenessDecision:
+    """Whether a group is trained on; ``reason`` is None when kept, else why it was dropped."""
+
+    keep: bool
+    staleness: int
+    reason: str | None = None
+
+
+def check_staleness(learner_version: int, eta: int, min_token_version: int) -> StalenessDecision:
+    """Keep a group iff its oldest token is at most ``eta`` versions behind the learner.
+
+    Reasons: ``"stale"`` (staleness > eta), ``"future_version"`` (staleness < 0: a token claims a version the
+    learner has not published, which versions that are never reused rule out; kept out of training and
+    counted rather than crashing the learner).
+    """
+    if eta < 0:
+        raise ValueError(f"eta = {eta} must be >= 0")
+    s = staleness(learner_version, min_token_version)
+    if s > eta:
+        return StalenessDecision(keep=False, staleness=s, reason="stale")
+    if s < 0:
+        return StalenessDecision(keep=False, staleness=s, reason="future_version")
+    return StalenessDecision(keep=True, staleness=s)
+
+
+@dataclass(frozen=True)
+class StalenessStats:
+    """Token-weighted staleness of a step: min / mean / max and a histogram {staleness: token count}."""
+
+    count: int
+    min: int
+    mean: float
+    max: int
+    histogram: dict[int, int] = field(default_factory=dict)
+
+    def as_metrics(self, prefix: str = "staleness") -> dict[str, float]:
+        """Flat metrics for wandb / Redis: ``staleness/min`` ... and ``staleness/hist/<s>``."""
+        out: dict[str, float] = {
+            f"{prefix}/min": self.min,
+            f"{prefix}/mean": self.mean,
+            f"{prefix}/max": self.max,
+            f"{prefix}/tokens": self.count,
+        }
+        out.update({f"{prefix}/hist/{s}": n for s, n in sorted(self.histogram.items())})
+        return out
+
+
+def staleness_stats(learner_version: int, token_versions: Iterable[Sequence[int] | int]) -> StalenessStats:
+    """Stats over every token of a step; ``token_versions`` holds versions, or per-sequence arrays of them
+    (lists, numpy arrays, tensors). No tokens gives count 0 and zeros."""
+    hist: Counter[int] = Counter()
+    for item in token_versions:
+        values = [item] if isinstance(item, int) else _as_ints(item)
+        hist.update(learner_version - v for v in values)
+    count = sum(hist.values())
+    if count == 0:
+        return StalenessStats(count=0, min=0, mean=0.0, max=0, histogram={})
+    total = sum(s * n for s, n in hist.items())
+    return StalenessStats(count=count, min=min(hist), mean=total / count, max=max(hist), histogram=dict(hist))
+
+
+def _as_ints(values: Sequence[int]) -> list[int]:
+    tolist = getattr(values, "tolist", None)
+    raw = tolist() if tolist is not None else list(values)
+    return [int(v) for v in (raw if isinstance(raw, list) else [raw])]
