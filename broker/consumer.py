@@ -152,6 +152,11 @@ def _text(raw: Any) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq)
+
+
 def classify(exc: RecordError) -> str:
     """The dead-letter reason code of a record error (the full message goes with it)."""
     if exc.field == "schema_version":
@@ -275,10 +280,10 @@ class Consumer:
         res = await self.client.xreadgroup(
             self.group_name, self.name, {self.keys.stream: ">"}, count=count, block=block or None
         )
-        if not res:
-            return []
-        entries = res[0][1]
-        return await self._process(entries, {})
+        out = await self._process(res[0][1], {}) if res else []
+        # A reconnect inside that call may have cost an earlier attempt's reply: fetch what it delivered.
+        out += await self._maybe_recover()
+        return sorted(out, key=lambda d: _id_key(d.entry_id))
 
     async def claim_stale(self, count: int | None = None) -> list[Delivery]:
         """Take over entries another consumer left pending for more than ``claim_idle_ms`` (XAUTOCLAIM).

@@ -1,0 +1,104 @@
+"""Back-pressure: several concurrent producers and a slow consumer; the backlog (XINFO lag + pending) never
+exceeds max_backlog, waiting producers show why in the metrics, and nothing accepted is lost or doubled."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from broker.client import BrokerKeys, connect
+from broker.config import BrokerConfig, SharedConfig
+from broker.consumer import Consumer
+from broker.metrics import BrokerMetrics
+from broker.producer import BackpressureTimeout, Producer
+from broker.record import synthetic_group
+
+SHARED = SharedConfig(run_id="bp")
+PRODUCERS, PER_PRODUCER, BOUND = 4, 15, 8
+
+
+def group(i: int):
+    return synthetic_group(np.random.default_rng(i), prompt_index=i, num_samples=2, num_tokens=8)
+
+
+async def lag_plus_pending(client, stream: str, group_name: str) -> int:
+    info = (await client.xinfo_groups(stream))[0]
+    return info["lag"] + info["pending"]
+
+
+async def test_backlog_stays_under_bound_with_concurrent_producers(redis_url: str) -> None:
+    cfg = BrokerConfig(max_backlog=BOUND, backpressure_poll_s=0.01, block_ms=10, retry_attempts=3)
+    keys = BrokerKeys.of(SHARED, cfg)
+    clients = [connect(redis_url, cfg) for _ in range(PRODUCERS + 1)]
+    reader = clients[-1]
+    consumer = Consumer(reader, SHARED, cfg, "slow")
+    await consumer.ensure_group()
+    producers = [Producer(clients[k], SHARED, cfg, f"w{k}") for k in range(PRODUCERS)]
+    sent: dict[str, str] = {}
+
+    async def produce(k: int) -> None:
+        for j in range(PER_PRODUCER):
+            g = group(k * 100 + j)
+            sent[g.group_id] = await producers[k].send(g)
+
+    tasks = [asyncio.create_task(produce(k)) for k in range(PRODUCERS)]
+    metrics = BrokerMetrics(reader, SHARED, cfg)
+    # Before anything is consumed, all producers end up waiting with exactly BOUND entries in the stream.
+    for _ in range(500):
+        snap = await metrics.snapshot()
+        waiting = [p.get("waiting") for p in snap["producers"].values()]
+        if waiting.count("backpressure") == PRODUCERS:
+            break
+        await asyncio.sleep(0.01)
+    assert waiting == ["backpressure"] * PRODUCERS, snap["producers"]
+    assert snap["backlog"] == BOUND and await reader.xlen(keys.stream) == BOUND
+    assert await lag_plus_pending(reader, keys.stream, cfg.consumer_group) == BOUND
+
+    delivered: list[str] = []
+    worst = 0
+    held = []
+    while len(delivered) < PRODUCERS * PER_PRODUCER:
+        got = await consumer.read(count=1)
+        delivered += [d.group.group_id for d in got]
+        held += got
+        if len(held) >= 3:  # acknowledge in small batches, as a learner does at checkpoints
+            await consumer.ack(held)
+            held = []
+        backlog_now = await lag_plus_pending(reader, keys.stream, cfg.consumer_group)
+        worst = max(worst, backlog_now, int(await reader.get(keys.backlog)))
+        assert worst <= BOUND
+        if not got and all(t.done() for t in tasks):
+            await consumer.ack(held)
+            held = []
+    await asyncio.gather(*tasks)
+    await consumer.ack(held)
+
+    assert len(delivered) == len(set(delivered)) == PRODUCERS * PER_PRODUCER
+    assert set(delivered) == set(sent)
+    snap = await metrics.snapshot()
+    assert snap["backlog"] == 0
+    for k, p in enumerate(producers):
+        stats = snap["producers"][f"w{k}"]
+        assert p.waits >= 1 and stats["waits"] == p.waits and stats["wait_s"] > 0
+        assert stats["waiting"] == "" and stats["produced"] == PER_PRODUCER
+    assert snap["counters"]["backpressure_waits"] == sum(p.waits for p in producers)
+    for c in clients:
+        await c.aclose()
+
+
+async def test_backpressure_timeout_adds_nothing(redis_url: str) -> None:
+    cfg = BrokerConfig(max_backlog=2, backpressure_poll_s=0.01, backpressure_timeout_s=0.1, retry_attempts=3)
+    client = connect(redis_url, cfg)
+    producer = Producer(client, SHARED, cfg, "w0")
+    await producer.send(group(1))
+    await producer.send(group(2))
+    try:
+        await producer.send(group(3))
+        raise AssertionError("send should have timed out")
+    except BackpressureTimeout as exc:
+        assert "max_backlog = 2" in str(exc)
+    assert await client.xlen(SHARED.key(cfg.stream)) == 2
+    snap = await BrokerMetrics(client, SHARED, cfg).snapshot()
+    assert snap["producers"]["w0"]["waiting"] == "" and snap["producers"]["w0"]["waits"] == 1
+    await client.aclose()
