@@ -286,15 +286,16 @@ def ppo_loss(
     logp_ref: Tensor | None = None,
     normaliser: Tensor | float | int | None = None,
 ) -> LossOutput:
-    """Standard PPO-clip: ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``, ``r = pi / pi_old``.
+    """Standard PPO-clip against the behaviour policy: ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``
+    with ``r = pi / mu``.
 
-    ``pi_old`` is ``logp_proximal`` when given (PPO against recomputed old log-probs, no behaviour correction),
-    otherwise the behaviour policy (``r = pi / mu``).
+    ``logp_proximal`` is ignored: a trainer that always passes ``sg(logp_new)`` as the proximal policy would
+    otherwise get ``r = 1`` and no off-policy handling at all. PPO against a recomputed old policy plus the
+    behaviour weight is :func:`decoupled_ppo_loss`.
     """
-    x = _prepare(logp_new, logp_behaviour, logp_proximal, advantages, mask, logp_ref)
-    old = x.proximal if x.proximal is not None else x.behaviour
+    x = _prepare(logp_new, logp_behaviour, None, advantages, mask, logp_ref)
     ones = _ones_weight(x)
-    return _weighted_clip_loss(x, old, ones, ones, config, normaliser)
+    return _weighted_clip_loss(x, x.behaviour, ones, ones, config, normaliser)
 
 
 def decoupled_ppo_loss(
@@ -390,17 +391,17 @@ def gspo_loss(
     logp_ref: Tensor | None = None,
     normaliser: Tensor | float | int | None = None,
 ) -> LossOutput:
-    """GSPO: sequence ratio ``s = exp(mean_t log(pi / pi_old))``, loss ``-min(s A, clip(s) A)`` per sequence.
+    """GSPO: sequence ratio ``s = exp(mean_t log(pi / mu))``, loss ``-min(s A, clip(s) A)`` per sequence.
 
-    ``pi_old`` is ``logp_proximal`` when given, else the behaviour policy. ``A`` is the sequence's advantage
+    The ratio is to the behaviour policy ``mu`` (``logp_proximal`` is ignored, as in :func:`ppo_loss`), so the
+    sequence clip is what bounds stale samples. ``A`` is the sequence's advantage
     (the row mean of per-token advantages). Clipped with ``gspo_eps_low / gspo_eps_high``. Each valid token
     carries its sequence's loss, so ``seq-mean`` aggregation is the GSPO paper's objective and ``token-mean``
     weights sequences by their length.
     """
-    x = _prepare(logp_new, logp_behaviour, logp_proximal, advantages, mask, logp_ref)
-    old = x.proximal if x.proximal is not None else x.behaviour
+    x = _prepare(logp_new, logp_behaviour, None, advantages, mask, logp_ref)
     c = config.log_ratio_clamp
-    seq_log_ratio = _row_mean(_log_ratio(x.new, old, config), x.valid).clamp(-c, c)
+    seq_log_ratio = _row_mean(_log_ratio(x.new, x.behaviour, config), x.valid).clamp(-c, c)
     ratio = torch.exp(seq_log_ratio)[:, None]
     adv = _row_mean(x.adv, x.valid)[:, None]
     surrogate, clip, dual = _surrogate(

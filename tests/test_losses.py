@@ -111,12 +111,14 @@ def test_dual_clip_bounds_negative_advantage() -> None:
     close(new2.grad, [[10.0]])
 
 
-def test_ppo_uses_the_proximal_policy_as_old_when_given() -> None:
-    # mu = 0, prox = ln 2, new = ln 2.2: r = pi / prox = 1.1 (not pi / mu = 2.2, which would clip at 1.28)
-    # A = +1: loss = -1.1
-    loss, m = ppo_loss(t([[ln(2.2)]]), t([[0.0]]), t([[ln(2.0)]]), t([[1.0]]), torch.ones(1, 1), LossConfig())
-    close(loss, -1.1)
-    close(m["clip_frac"], 0.0)
+def test_ppo_and_gspo_ratio_is_to_the_behaviour_policy_even_with_a_proximal() -> None:
+    # mu = 0, prox = ln 2.2 (= new, as a trainer passing sg(logp_new) gives), new = ln 2.2, A = +1:
+    # r = pi / mu = 2.2 is clipped at 1.28 -> loss -1.28 (with r = pi / prox it would be -1.0)
+    new, mu, prox = t([[ln(2.2)]]), t([[0.0]]), t([[ln(2.2)]])
+    for fn, eps in ((ppo_loss, 0.28), (gspo_loss, 4e-4)):
+        loss, m = fn(new, mu, prox, t([[1.0]]), torch.ones(1, 1), LossConfig())
+        close(loss, -(1 + eps))
+        close(m["clip_frac"], 1.0)
 
 
 # ---------------------------------------------------------------- decoupled PPO (AReaL)
@@ -517,3 +519,16 @@ def test_loss_config_errors_name_the_field() -> None:
         load(["--learner.loss.policy_loss=reinforce"])
     with pytest.raises(ConfigError, match="icepop_low"):
         load(["--learner.loss.icepop_low=6", "--learner.loss.icepop_high=5"])
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_every_loss_sees_the_behaviour_policy_when_proximal_is_the_current_policy(name: str) -> None:
+    # a trainer with one optimizer step per batch passes logp_proximal = sg(logp_new); the loss must still
+    # correct for mu: moving mu changes the loss (pi / mu from 1.0 to 3.0 moves every loss's weight or ratio)
+    new = t([[ln(0.3), ln(0.6)]])
+    cfg = LossConfig(policy_loss=name, tis_cap=10.0, behav_cap=10.0)
+    values = [
+        compute_policy_loss(new, new - shift, new.detach(), t([1.0]), torch.ones(1, 2), cfg)[0].item()
+        for shift in (0.0, ln(3.0))
+    ]
+    assert values[0] != pytest.approx(values[1]), values
