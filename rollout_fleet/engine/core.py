@@ -1,0 +1,238 @@
+"""The built-in engine: a Hugging Face model, its tokenizer, the runner and the scheduler thread.
+
+This is the interface the HTTP server and the weight-sync receiver use. Everything that touches the model runs
+on the scheduler thread between steps (``call_in_scheduler``), so a weight load never races a forward pass:
+
+- ``engine.model``: the HF module whose parameters are served (HF names, e.g.
+  ``model.layers.0.self_attn.q_proj.weight``);
+- ``engine.load_weights(named_tensors, weight_version=None)``: copy full tensors in by HF name;
+- ``engine.set_weight_version(label)``: the label later tokens carry in ``meta_info.weight_versions``;
+- ``engine.get_weights_by_name(name, truncate_size)``: what SGLang's test endpoint returns;
+- ``engine.call_in_scheduler(fn, timeout)``: run anything else (a broadcast receive) between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from rollout_fleet.engine.protocol import GenItem
+from rollout_fleet.engine.runner import ModelRunner
+from rollout_fleet.engine.scheduler import Scheduler, Sink
+
+log = logging.getLogger("streamrl.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA when present, else CPU; anything else is taken as a torch device string."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"engine.device = {name!r} but CUDA is not available on this machine")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, config_dtype: Any) -> torch.dtype:
+    """``auto``: float32 on CPU (exact log-probs), the checkpoint's dtype (else bfloat16) on CUDA."""
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"engine.dtype = {name!r}: expected auto, {', '.join(_DTYPES)}")
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    if isinstance(config_dtype, torch.dtype) and config_dtype in _DTYPES.values():
+        return config_dtype
+    return _DTYPES.get(str(config_dtype).removeprefix("torch."), torch.bfloat16)
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+class Engine:
+    """A served model: load it, start the scheduler, submit requests, update weights."""
+
+    def __init__(
+        self,
+        model_path: Path | str,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_running_requests: int = 64,
+        max_context_len: int | None = None,
+        max_prefill_tokens: int = 8192,
+        seed: int = 0,
+        step_log_size: int = 4096,
+        weight_version: str = "0",
+        served_model_name: str | None = None,
+    ) -> None:
+        path = Path(model_path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model_path {str(path)!r} is not a Hugging Face model directory")
+        self.model_path = path
+        self.served_model_name = served_model_name or str(path)
+        self.device = resolve_device(device)
+        started = time.monotonic()
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        config_dtype = getattr(AutoConfig.from_pretrained(path, local_files_only=True), "dtype", None)
+        self.dtype = resolve_dtype(dtype, self.device, config_dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=self.dtype)
+        self.model = model.to(self.device).eval()
+        model_limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 4096
+        self.context_len = min(max_context_len or model_limit, model_limit)
+        self.vocab_size = int(model.config.vocab_size)
+        self.eos_token_ids = _eos_ids(model, self.tokenizer)
+        self.runner = ModelRunner(model, max_rows=max_running_requests, max_context_len=self.context_len)
+        self.scheduler = Scheduler(
+            self.runner,
+            eos_token_ids=self.eos_token_ids,
+            decode_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
+            max_running_requests=max_running_requests,
+            max_prefill_tokens=max_prefill_tokens,
+            seed=seed,
+            step_log_size=step_log_size,
+            weight_version=weight_version,
+        )
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self._param_by_name = dict(self.model.state_dict(keep_vars=True))
+        log.info(
+            "loaded %s (%s, %.2fM parameters) on %s as %s in %.1f s; context %d tokens",
+            path,
+            type(model).__name__,
+            sum(p.numel() for p in model.parameters()) / 1e6,
+            self.device,
+            self.dtype,
+            time.monotonic() - started,
+            self.context_len,
+        )
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        self.scheduler.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort and answer every live request, then stop the scheduler thread."""
+        self.scheduler.stop(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.scheduler.alive
+
+    # -- requests -----------------------------------------------------------------------------------------
+
+    def submit(self, item: GenItem, sink: Sink) -> None:
+        self.scheduler.submit(item, sink)
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        self.scheduler.abort(rid, abort_all)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    # -- control (blocking; call from a worker thread, not the event loop) ---------------------------------
+
+    def call_in_scheduler(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """Run ``fn()`` on the scheduler thread between two forward passes and return its result."""
+        return self.scheduler.call(fn, timeout)
+
+    def pause(self, mode: str, timeout: float) -> None:
+        self.scheduler.pause(mode).result(timeout)
+
+    def resume(self, timeout: float) -> None:
+        self.scheduler.resume().result(timeout)
+
+    def flush_cache(self, timeout: float) -> bool:
+        return self.call_in_scheduler(self.scheduler.flush_cache, timeout)
+
+    @property
+    def weight_version(self) -> str:
+        return self.scheduler.weight_version
+
+    def set_weight_version(self, label: str, timeout: float = 60.0) -> None:
+        self.call_in_scheduler(lambda: self.scheduler.set_weight_version(label), timeout)
+
+    def load_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        weight_version: str | None = None,
+        timeout: float = 300.0,
+    ) -> int:
+        """Copy full tensors into the served model by HF name (between steps); returns how many were loaded.
+
+        Every name and shape is checked before anything is copied, so a bad update changes nothing."""
+        tensors = list(named_tensors)
+
+        def load() -> int:
+            for name, tensor in tensors:
+                self._check_tensor(name, tensor)
+            with torch.no_grad():
+                for name, tensor in tensors:
+                    param = self._param_by_name[name]
+                    param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+            if weight_version is not None:
+                self.scheduler.set_weight_version(weight_version)
+            return len(tensors)
+
+        return self.call_in_scheduler(load, timeout)
+
+    def _check_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        param = self._param_by_name.get(name)
+        if param is None:
+            raise KeyError(f"unknown parameter name {name!r} for {type(self.model).__name__}")
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(
+                f"parameter {name!r}: shape {list(tensor.shape)} != expected {list(param.shape)}"
+            )
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The parameter as float32 nested lists, first ``truncate_size`` rows (SGLang's test endpoint)."""
+        if name not in self._param_by_name:
+            raise KeyError(f"unknown parameter name {name!r}")
+        return self._param_by_name[name].detach()[:truncate_size].float().cpu().tolist()
+
+    # -- introspection ----------------------------------------------------------------------------------------
+
+    def model_info(self) -> dict[str, Any]:
+        config = self.model.config
+        return {
+            "model_path": str(self.model_path),
+            "served_model_name": self.served_model_name,
+            "tokenizer_path": str(self.model_path),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": list(getattr(config, "architectures", None) or [type(self.model).__name__]),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats
+        return dict(vars(s))

@@ -1,0 +1,99 @@
+"""``streamrl engine`` / ``python -m rollout_fleet.engine``: serve a model over SGLang's HTTP protocol.
+
+The process runs until SIGTERM or SIGINT; then it stops taking requests, aborts and answers every in-flight
+one (``finish_reason.type == "abort"`` with the partial output), frees the port and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Iterable
+
+import torch
+
+from broker.config import SharedConfig
+from broker.configlib import ConfigError, Section, load_config, render_help
+from rollout_fleet.config import EngineConfig
+from rollout_fleet.engine.core import Engine
+from rollout_fleet.engine.server import Extension, ServerSettings, serve
+
+log = logging.getLogger("streamrl.engine")
+
+
+def build_engine(shared: SharedConfig, engine: EngineConfig) -> Engine:
+    """Load the model named by the config (engine.model_path, else shared.model_path) and start its scheduler."""
+    model_path = engine.model_path or shared.model_path
+    if model_path is None:
+        raise ConfigError("no model to serve: set engine.model_path or shared.model_path")
+    return Engine(
+        model_path,
+        device=engine.device,
+        dtype=engine.dtype,
+        max_running_requests=engine.max_running_requests,
+        max_context_len=engine.max_context_len,
+        max_prefill_tokens=engine.max_prefill_tokens,
+        seed=engine.seed,
+        step_log_size=engine.step_log_size,
+        served_model_name=engine.served_model_name,
+    ).start()
+
+
+def server_settings(engine: EngineConfig) -> ServerSettings:
+    return ServerSettings(
+        request_timeout_s=engine.request_timeout_s,
+        control_timeout_s=engine.control_timeout_s,
+        health_check_timeout_s=engine.health_check_timeout_s,
+        health_generation=engine.health_generation,
+        shutdown_timeout_s=engine.shutdown_timeout_s,
+        server_args=engine.model_dump(mode="json"),
+    )
+
+
+def run_engine(shared: SharedConfig, engine: EngineConfig, extensions: Iterable[Extension] = ()) -> int:
+    """Serve on engine.host : (engine.port or engine.base_port) until SIGTERM / SIGINT; returns the exit code."""
+    torch.set_num_threads(shared.torch_threads)
+    try:
+        served = build_engine(shared, engine)
+    except (ConfigError, OSError, ValueError) as exc:
+        log.error("cannot start the engine: %s", exc)
+        return 2
+    port = engine.port or engine.base_port
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(served, engine.host, port, stop, server_settings(engine), extensions=extensions)
+
+    try:
+        asyncio.run(main())
+    except OSError as exc:
+        log.error("cannot serve on %s:%d: %s", engine.host, port, exc)
+        return 1
+    finally:
+        served.shutdown(engine.shutdown_timeout_s)
+    return 0
+
+
+class _EngineRoleConfig(Section):
+    shared: SharedConfig = SharedConfig()
+    engine: EngineConfig = EngineConfig()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print("usage: python -m rollout_fleet.engine [--config FILE] [--section.field=value ...]\n")
+        print(render_help(_EngineRoleConfig))
+        return 0
+    try:
+        cfg = load_config(_EngineRoleConfig, args)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
+    return run_engine(cfg.shared, cfg.engine)
