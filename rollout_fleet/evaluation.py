@@ -1,0 +1,172 @@
+"""Held-out evaluation: greedy and sampled (T = 1) accuracy of a model on a task's test split.
+
+Plain torch + transformers on CPU (or wherever the model lives): prompts are left-padded into one batch,
+prefilled once, then decoded one token per step with the KV cache; a sequence stops at EOS. This is the
+yardstick of every "accuracy before / after" number in the project (``summary.json``'s ``eval_reward_*``
+are ``greedy_accuracy``): correctness only, whatever the task's RL reward adds for format.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollout_fleet.tasks import TEST, Prompt, Task, get_task
+
+DEFAULT_MAX_NEW_TOKENS = 96  # the longest arithmetic completion is 90 characters + EOS
+
+
+@torch.inference_mode()
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    temperature: float = 0.0,
+    seed: int = 0,
+    batch_size: int = 256,
+) -> list[list[int]]:
+    """Generated token ids per prompt (up to and excluding EOS); temperature 0 is greedy.
+
+    Sampling draws from softmax(logits / temperature) with a generator seeded by ``seed``, so results are
+    reproducible for a given batch layout.
+    """
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    out: list[list[int]] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        out.extend(_generate_batch(model, tokenizer, chunk, max_new_tokens, temperature, generator))
+    return out
+
+
+def _generate_batch(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator,
+) -> list[list[int]]:
+    device = next(model.parameters()).device
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    width = max(len(ids) for ids in encoded)
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], device=device)  # (B, L)
+    mask = torch.tensor(
+        [[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=device
+    )  # (B, L)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L): left padding must not shift positions
+    cache_arg = _cache_argument(model)
+    result = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    cache, logits = _cache_of(result), result.logits[:, -1]
+    next_pos = positions[:, -1:] + 1  # (B, 1)
+    finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    steps: list[torch.Tensor] = []
+    for _ in range(max_new_tokens):
+        token = _pick(logits.float(), temperature, generator).to(device)  # (B,)
+        token = torch.where(finished, torch.full_like(token, pad), token)
+        steps.append(token)
+        finished |= token == eos
+        if bool(finished.all()):
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        result = model(
+            input_ids=token[:, None],
+            attention_mask=mask,
+            position_ids=next_pos,
+            use_cache=True,
+            **{cache_arg: cache},
+        )
+        cache, logits, next_pos = _cache_of(result), result.logits[:, -1], next_pos + 1
+    generated = torch.stack(steps, dim=1).tolist()  # (B, T)
+    return [row[: row.index(eos)] if eos in row else row for row in generated]
+
+
+def _cache_argument(model: Any) -> str:
+    """transformers 5 calls the KV cache argument ``cache``; 4.x called it ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache_of(result: Any) -> Any:
+    cache = getattr(result, "cache", None)
+    return cache if cache is not None else result.past_key_values
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+    """(B, V) logits -> (B,) token ids: argmax below 1e-6, else a sample at ``temperature``."""
+    if temperature < 1e-6:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1).cpu()
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def load_model(path: str | Path) -> tuple[Any, Any]:
+    """(model, tokenizer) from a Hugging Face model directory, fp32 on CPU, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(str(path))
+
+
+def evaluate(
+    model: Any,
+    tokenizer: Any = None,
+    task: Task | None = None,
+    n: int | None = None,
+    split: str = TEST,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    seed: int = 0,
+    batch_size: int = 256,
+) -> dict[str, float | int]:
+    """Accuracy of ``model`` (a model directory or an in-memory causal LM plus its tokenizer) on ``split``.
+
+    Returns greedy_accuracy, sampled_accuracy (one sample per prompt at T = 1), format_rate (greedy) and
+    sampled_format_rate (fractions of prompts), and n. Accuracy is the task's ``correct`` component.
+    """
+    if isinstance(model, str | Path):
+        model, loaded = load_model(model)
+        tokenizer = tokenizer or loaded
+    if tokenizer is None:
+        raise ValueError("evaluate: an in-memory model needs its tokenizer")
+    task = task or get_task("arithmetic")
+    count = task.num_prompts(split) if n is None else min(n, task.num_prompts(split))
+    prompts = [task.make_prompt(i, split) for i in range(count)]
+    was_training = model.training
+    model.eval()
+    try:
+        greedy = _score(model, tokenizer, task, prompts, 0.0, seed, max_new_tokens, batch_size)
+        sampled = _score(model, tokenizer, task, prompts, 1.0, seed, max_new_tokens, batch_size)
+    finally:
+        model.train(was_training)
+    return {
+        "greedy_accuracy": greedy[0],
+        "sampled_accuracy": sampled[0],
+        "format_rate": greedy[1],
+        "sampled_format_rate": sampled[1],
+        "n": count,
+    }
+
+
+def _score(
+    model: Any,
+    tokenizer: Any,
+    task: Task,
+    prompts: list[Prompt],
+    temperature: float,
+    seed: int,
+    max_new_tokens: int,
+    batch_size: int,
+) -> tuple[float, float]:
+    """(accuracy, format rate) of one generation pass."""
+    outputs = generate(
+        model, tokenizer, [p.text for p in prompts], max_new_tokens, temperature, seed, batch_size
+    )
+    results = [task.score(p, tokenizer.decode(ids)) for p, ids in zip(prompts, outputs, strict=True)]
+    n = max(len(results), 1)
+    return (
+        sum(r.components.get("correct", 0.0) for r in results) / n,
+        sum(r.components.get("format", 0.0) for r in results) / n,
+    )

@@ -1,0 +1,291 @@
+"""Rewards in a pool of worker processes with a timeout, so a verifier can never stall a rollout worker.
+
+    async with RewardPool(workers=2, timeout_s=5.0) as pool:
+        result = await pool.score("arithmetic", prompt, completion)          # a task's verifier, by name
+        result = await pool.score("my_pkg.rewards:fn", prompt, completion)   # a custom function, by import path
+
+A scorer is a task name (``get_task(name, **options).score``), a Task class by import path, or a function by
+import path called as ``fn(prompt, completion, **options)`` that returns a number, a mapping with a ``"reward"``
+key (the other keys are components), or a :class:`RewardResult`.
+
+Outcomes: ``ok``; ``timeout`` (the call ran past ``timeout_s``: the worker is killed with SIGKILL and replaced,
+reward 0); ``error`` (the function raised, returned something unusable or non-finite, or its process died:
+reward 0, the message says which). Every component comes back, not only the total. Workers start with the
+``forkserver`` (default) or ``spawn`` method, never ``fork`` (the parent has threads), and limit torch to one
+thread if the scorer imports it. ``pool.stats`` counts outcomes and restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import multiprocessing as mp
+import os
+import sys
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from rollout_fleet.tasks import Prompt, RewardResult, Task, get_task, load_object
+
+START_METHODS = ("forkserver", "spawn")
+
+
+class RewardFunctionError(ValueError):
+    """A reward function returned something that is not a usable reward."""
+
+
+# ---- worker side -------------------------------------------------------------------------------------------
+def resolve_scorer(scorer: str, options: Mapping[str, Any]) -> Callable[[Prompt, str], Any]:
+    """The callable behind a scorer name or import path (see the module docstring)."""
+    if ":" in scorer:
+        obj = load_object(scorer, "reward function")
+        if isinstance(obj, type) and issubclass(obj, Task):
+            return get_task(scorer, **options).score
+        if not callable(obj):
+            raise RewardFunctionError(f"reward function {scorer!r} is a {type(obj).__name__}, not callable")
+        return (lambda prompt, completion: obj(prompt, completion, **options)) if options else obj
+    return get_task(scorer, **options).score
+
+
+def normalize(value: Any, scorer: str) -> tuple[float, dict[str, float]]:
+    """(reward, components) from what a scorer returned; non-finite or non-numeric values are errors."""
+    if isinstance(value, RewardResult):
+        reward, components = value.reward, dict(value.components)
+    elif isinstance(value, Mapping):
+        if "reward" not in value:
+            raise RewardFunctionError(
+                f"reward function {scorer!r} returned a mapping without a 'reward' key: {value!r}"
+            )
+        reward, components = value["reward"], {k: v for k, v in value.items() if k != "reward"}
+    else:
+        reward, components = value, {}
+    named = {"reward": reward, **{f"component {k!r}": v for k, v in components.items()}}
+    for name, number in named.items():
+        if isinstance(number, bool) or not isinstance(number, int | float):
+            raise RewardFunctionError(
+                f"reward function {scorer!r} returned {name} = {number!r}, not a number"
+            )
+        if not math.isfinite(number):
+            raise RewardFunctionError(f"reward function {scorer!r} returned a non-finite {name}: {number}")
+    return float(reward), {str(k): float(v) for k, v in components.items()}
+
+
+def _limit_threads() -> None:
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
+
+def _worker_main(conn: Connection) -> None:
+    """Serve (job, scorer, options, prompt, completion) requests until a None or EOF arrives."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+    scorers: dict[str, Callable[[Prompt, str], Any]] = {}
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        job, scorer, options, prompt, completion = message
+        key = scorer + json.dumps(options, sort_keys=True, default=repr)
+        try:
+            if key not in scorers:
+                scorers[key] = resolve_scorer(scorer, options)
+                _limit_threads()
+        except Exception as e:  # noqa: BLE001 - reported to the caller, never kills the worker
+            conn.send((job, "error", f"cannot load reward {scorer!r}: {type(e).__name__}: {e}"))
+            continue
+        conn.send((job, "begin"))
+        try:
+            reward, components = normalize(scorers[key](prompt, completion), scorer)
+        except Exception as e:  # noqa: BLE001
+            conn.send((job, "error", f"{type(e).__name__}: {e}"))
+            continue
+        conn.send((job, "ok", reward, components))
+
+
+# ---- parent side -------------------------------------------------------------------------------------------
+@dataclass
+class _Slot:
+    process: Any = None
+    conn: Connection | None = None
+    healthy: bool = False
+    starts: int = 0
+
+
+class RewardPool:
+    """A fixed number of reward worker processes; ``score`` is a coroutine, one job per worker at a time.
+
+    ``timeout_s`` bounds the reward call itself; ``load_timeout_s`` bounds starting a worker and importing a
+    scorer the first time (imports can be slow, and they are not the verifier's fault).
+    """
+
+    def __init__(
+        self,
+        workers: int = 2,
+        timeout_s: float = 5.0,
+        load_timeout_s: float = 60.0,
+        start_method: str = "forkserver",
+    ) -> None:
+        if not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"reward workers must be an int >= 1, got {workers!r}")
+        if not timeout_s > 0 or not load_timeout_s > 0:
+            raise ValueError(
+                f"reward timeouts must be > 0, got timeout_s={timeout_s}, load_timeout_s={load_timeout_s}"
+            )
+        if start_method not in START_METHODS:
+            raise ValueError(f"reward start_method must be one of {START_METHODS}, got {start_method!r}")
+        self.workers, self.timeout_s, self.load_timeout_s = workers, timeout_s, load_timeout_s
+        self._ctx = mp.get_context(start_method)
+        self._slots = [_Slot() for _ in range(workers)]
+        self._idle: asyncio.Queue[_Slot] | None = None
+        self._jobs = 0
+        self.stats: Counter[str] = Counter()
+
+    async def __aenter__(self) -> RewardPool:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    async def start(self) -> None:
+        """Start every worker and wait until each is ready."""
+        if self._idle is not None:
+            return
+        self._idle = asyncio.Queue()
+        await asyncio.gather(*(self._restart(slot) for slot in self._slots))
+        for slot in self._slots:
+            self._idle.put_nowait(slot)
+
+    def pids(self) -> list[int]:
+        """Worker process ids (for tests and diagnostics)."""
+        return [s.process.pid for s in self._slots if s.process is not None and s.process.is_alive()]
+
+    async def score(
+        self, scorer: str, prompt: Prompt, completion: str, options: Mapping[str, Any] | None = None
+    ) -> RewardResult:
+        """The reward of one completion; never raises for anything the scorer does."""
+        await self.start()
+        assert self._idle is not None
+        slot = await self._idle.get()
+        try:
+            result = await self._run(slot, scorer, dict(options or {}), prompt, completion)
+        finally:
+            self._idle.put_nowait(slot)
+        self.stats[result.status] += 1
+        return result
+
+    async def _run(
+        self, slot: _Slot, scorer: str, options: dict[str, Any], prompt: Prompt, completion: str
+    ) -> RewardResult:
+        if not slot.healthy or not slot.process.is_alive():
+            await self._restart(slot)
+        self._jobs += 1
+        job, limit = self._jobs, self.load_timeout_s
+        try:
+            assert slot.conn is not None
+            slot.conn.send((job, scorer, options, prompt, completion))
+            reply = await self._receive(slot, limit)
+            if reply[:2] == (job, "begin"):
+                limit = self.timeout_s
+                reply = await self._receive(slot, limit)
+        except asyncio.CancelledError:  # the caller gave up: a late answer would confuse the next job
+            self._kill(slot)
+            raise
+        except TimeoutError:
+            pid = slot.process.pid
+            self._kill(slot)
+            await self._replace(slot)
+            return RewardResult.failed(
+                "timeout", f"reward {scorer!r} ran past {limit} s; worker {pid} killed"
+            )
+        except (EOFError, OSError):
+            code = self._kill(slot)
+            await self._replace(slot)
+            return RewardResult.failed("error", f"reward worker running {scorer!r} died (exit code {code})")
+        if reply[0] != job:
+            self._kill(slot)
+            return RewardResult.failed("error", f"reward worker answered {reply!r} to job {job}")
+        if reply[1] == "ok":
+            return RewardResult(reward=reply[2], components=reply[3])
+        return RewardResult.failed("error", f"reward {scorer!r} failed: {reply[2]}")
+
+    async def _receive(self, slot: _Slot, timeout: float) -> tuple[Any, ...]:
+        """The worker's next message, waiting on the pipe's descriptor in the event loop (no thread)."""
+        assert slot.conn is not None
+        if not slot.conn.poll():
+            loop = asyncio.get_running_loop()
+            readable = loop.create_future()
+            fd = slot.conn.fileno()
+            loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+            try:
+                await asyncio.wait_for(readable, timeout)
+            finally:
+                loop.remove_reader(fd)
+        return slot.conn.recv()
+
+    async def _replace(self, slot: _Slot) -> None:
+        """Start a replacement now, so the pool is back to full strength; a failure is retried on next use."""
+        try:
+            await self._restart(slot)
+        except RuntimeError:
+            self._kill(slot)
+
+    async def _restart(self, slot: _Slot) -> None:
+        self._kill(slot)
+        if slot.starts:
+            self.stats["restarts"] += 1
+        slot.starts += 1
+        parent, child = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(target=_worker_main, args=(child,), name="streamrl-reward", daemon=True)
+        process.start()
+        child.close()
+        slot.process, slot.conn = process, parent
+        try:
+            reply = await self._receive(slot, self.load_timeout_s)
+        except TimeoutError:
+            self._kill(slot)
+            raise RuntimeError(f"reward worker did not start within {self.load_timeout_s} s") from None
+        except (EOFError, OSError):
+            code = self._kill(slot)
+            raise RuntimeError(
+                f"reward worker exited while starting (exit code {code}); see its stderr"
+            ) from None
+        if reply[0] != "ready":
+            self._kill(slot)
+            raise RuntimeError(f"reward worker sent {reply!r} instead of ready")
+        slot.healthy = True
+
+    def _kill(self, slot: _Slot) -> int | None:
+        """SIGKILL the slot's process (if any) and reap it; returns its exit code."""
+        slot.healthy = False
+        code = None
+        if slot.process is not None:
+            if slot.process.is_alive():
+                slot.process.kill()
+            slot.process.join(timeout=5)
+            code = slot.process.exitcode
+        if slot.conn is not None:
+            slot.conn.close()
+        slot.process, slot.conn = None, None
+        return code
+
+    def close(self) -> None:
+        """Ask every worker to exit, then kill any that has not within a second."""
+        for slot in self._slots:
+            if slot.conn is not None and slot.process is not None and slot.process.is_alive():
+                with contextlib.suppress(OSError):
+                    slot.conn.send(None)
+        for slot in self._slots:
+            if slot.process is not None:
+                slot.process.join(timeout=1)
+            self._kill(slot)
+        self._idle = None

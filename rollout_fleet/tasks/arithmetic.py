@@ -1,0 +1,160 @@
+"""The built-in task: multi-digit addition worked digit by digit on a scratchpad.
+
+A miniature of long chain-of-thought RLVR: the output length varies widely across prompts (a few dozen
+characters for most, several times that for the 6- and 8-digit tail), and a verifier checks the final answer.
+See docs/tasks.md for the exact format and the measured length distribution.
+
+Prompt (raw text, no chat template, to keep prompts short):  ``"57+68="``
+Completion (one step per digit from the least significant, then the sum, then EOS):
+``"7+8+0=5c1;5+6+1=2c1;#125"``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+
+from rollout_fleet.tasks.base import (
+    TEST,
+    TRAIN,
+    Prompt,
+    RewardResult,
+    Task,
+    TaskError,
+    check_format_weight,
+    strip_special,
+    weighted_reward,
+)
+
+DIGIT_COUNTS = (1, 2, 3, 4, 6, 8)
+DIGIT_WEIGHTS = (30, 30, 20, 10, 6, 4)
+STEP = r"\d\+\d\+[01]=\dc[01];"
+FORMAT_RE = re.compile(rf"(?:{STEP})+#\d+")
+MAX_ATTEMPTS = 1000
+HELDOUT_SHARE = 4  # one problem pair in 4 belongs to the held-out space
+
+
+@dataclass(frozen=True)
+class Problem:
+    a: int
+    b: int
+
+    @property
+    def text(self) -> str:
+        return f"{self.a}+{self.b}="
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Unordered pair: a+b and b+a count as the same problem for held-out disjointness."""
+        return (min(self.a, self.b), max(self.a, self.b))
+
+
+def scratchpad(a: int, b: int) -> str:
+    """The reference completion: ``da+db+carry=digit c<carry>;`` per digit from the right, then ``#<sum>``.
+
+    Steps run over max(len(a), len(b)) digits; a shorter number contributes 0 digits. The last carry is not a
+    step of its own: it is the leading digit of the sum.
+    """
+    if a < 0 or b < 0:
+        raise ValueError(f"scratchpad needs non-negative numbers, got a={a}, b={b}")
+    steps, carry = [], 0
+    for i in range(max(len(str(a)), len(str(b)))):
+        da, db = a // 10**i % 10, b // 10**i % 10
+        total = da + db + carry
+        steps.append(f"{da}+{db}+{carry}={total % 10}c{total // 10};")
+        carry = total // 10
+    return "".join(steps) + f"#{a + b}"
+
+
+def final_answer(completion: str) -> str | None:
+    """The text after the last ``#``, or None when there is no ``#``."""
+    text = strip_special(completion)
+    if "#" not in text:
+        return None
+    return text.rsplit("#", 1)[1].strip()
+
+
+def score_completion(answer: str, completion: str, format_weight: float = 0.0) -> RewardResult:
+    """correct: the text after the last ``#`` is exactly the decimal sum (so the model must stop after it);
+    format: the whole completion is one or more well-formed steps followed by ``#<digits>``."""
+    got = final_answer(completion)
+    correct = 1.0 if got is not None and got.isascii() and got.isdigit() and int(got) == int(answer) else 0.0
+    fmt = 1.0 if FORMAT_RE.fullmatch(strip_special(completion)) else 0.0
+    return weighted_reward(correct, fmt, format_weight)
+
+
+def in_heldout_space(seed: int, key: tuple[int, int], heldout_fraction: int = HELDOUT_SHARE) -> bool:
+    """Whether an (unordered) problem belongs to the held-out part of the problem space for this seed."""
+    digest = hashlib.sha256(f"arithmetic:{seed}:{key[0]}+{key[1]}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % heldout_fraction == 0
+
+
+class ArithmeticTask(Task):
+    """Addition of two numbers with the same digit count, drawn from DIGIT_COUNTS with DIGIT_WEIGHTS.
+
+    Prompts are a pure function of (seed, split, index). The problem space is split by a hash of the unordered
+    pair (a, b): one pair in HELDOUT_SHARE belongs to the held-out (test) space, the rest to train. A draw that
+    lands in the other split's space is redrawn with the same digit count, so both splits keep the exact digit
+    mix, and no train prompt equals a held-out problem in either order. There are only 55 unordered one-digit
+    pairs, so the test split repeats its ~14 one-digit problems (a sample with replacement, like the rest).
+    """
+
+    name = "arithmetic"
+    version = "1"
+
+    def __init__(
+        self, seed: int = 0, train_size: int = 100_000, heldout_size: int = 200, format_weight: float = 0.0
+    ) -> None:
+        for option, value, low in (
+            ("seed", seed, 0),
+            ("train_size", train_size, 1),
+            ("heldout_size", heldout_size, 1),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise TaskError(f"task arithmetic: {option} must be an int >= {low}, got {value!r}")
+        self.seed, self.train_size, self.heldout_size = seed, train_size, heldout_size
+        self.format_weight = check_format_weight(self.name, format_weight)
+
+    def num_prompts(self, split: str = TRAIN) -> int:
+        self._check_request(0, split)
+        return self.train_size if split == TRAIN else self.heldout_size
+
+    def problem(self, index: int, split: str = TRAIN) -> Problem:
+        """The problem at (seed, split, index); str seeds are hashed with sha512, stable across runs."""
+        self._check_request(index, split)
+        if split == TEST and index >= self.heldout_size:
+            raise TaskError(
+                f"task arithmetic: test index {index} out of range (heldout_size {self.heldout_size})"
+            )
+        rng = random.Random(f"arithmetic:{self.seed}:{split}:{index}")
+        digits = rng.choices(DIGIT_COUNTS, DIGIT_WEIGHTS)[0]
+        low = 0 if digits == 1 else 10 ** (digits - 1)
+        for _ in range(MAX_ATTEMPTS):
+            problem = Problem(rng.randrange(low, 10**digits), rng.randrange(low, 10**digits))
+            if self.is_heldout(problem) == (split == TEST):
+                return problem
+        raise TaskError(f"task arithmetic: no {split} problem found at index {index}")
+
+    def is_heldout(self, problem: Problem) -> bool:
+        """Whether the problem (in either order) belongs to the held-out space."""
+        return in_heldout_space(self.seed, problem.key)
+
+    def make_prompt(self, index: int, split: str = TRAIN) -> Prompt:
+        p = self.problem(index, split)
+        return Prompt(
+            prompt_id=f"arithmetic/{self.seed}/{split}/{index}",
+            text=p.text,
+            answer=str(p.a + p.b),
+            split=split,
+            index=index,
+            metadata={"a": p.a, "b": p.b, "digits": len(str(max(p.a, p.b)))},
+        )
+
+    def reference_completion(self, prompt: Prompt) -> str:
+        """The target the supervised warm-start trains on (without the EOS token)."""
+        return scratchpad(int(prompt.metadata["a"]), int(prompt.metadata["b"]))
+
+    def score(self, prompt: Prompt, completion: str) -> RewardResult:
+        return score_completion(prompt.answer, completion, self.format_weight)
