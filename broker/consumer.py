@@ -25,6 +25,7 @@ groups (e.g. a monitor) acknowledge without touching it.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,7 +169,9 @@ def classify(exc: RecordError) -> str:
     return "invalid"
 
 
-def _check_entry(fields: dict[bytes, bytes]) -> tuple[str, TrajectoryGroup | _Bad]:
+def _check_entry(
+    fields: dict[bytes, bytes], decoder: Callable[[bytes], TrajectoryGroup] = decode
+) -> tuple[str, TrajectoryGroup | _Bad]:
     """Decode and validate one raw entry: (group id or '', the group or why it is bad)."""
     gid = _text(fields.get(b"gid", b""))
     missing = [k for k in ("v", "gid", "d") if k.encode() not in fields]
@@ -183,7 +186,7 @@ def _check_entry(fields: dict[bytes, bytes]) -> tuple[str, TrajectoryGroup | _Ba
     if version not in KNOWN_SCHEMA_VERSIONS:
         return gid, _Bad("schema_version", f"entry field v = {version}: unknown schema version")
     try:
-        group = decode(fields[b"d"])
+        group = decoder(fields[b"d"])
     except RecordError as exc:
         return gid, _Bad(classify(exc), str(exc))
     if group.group_id != gid:
@@ -195,7 +198,8 @@ def _check_entry(fields: dict[bytes, bytes]) -> tuple[str, TrajectoryGroup | _Ba
 
 class Consumer:
     """Reads one consumer group of the trajectory stream under a stable consumer ``name`` (a learner that
-    restarts under the same name gets its unacknowledged entries back on its first read)."""
+    restarts under the same name gets its unacknowledged entries back on its first read). ``decoder`` is
+    the payload codec (the msgpack one; the benchmark passes its JSON baseline through the same path)."""
 
     def __init__(
         self,
@@ -204,6 +208,7 @@ class Consumer:
         config: BrokerConfig,
         name: str,
         consumer_group: str | None = None,
+        decoder: Callable[[bytes], TrajectoryGroup] = decode,
     ) -> None:
         if not name:
             raise ValueError(f"consumer name = {name!r}: must not be empty")
@@ -213,6 +218,7 @@ class Consumer:
         self.group_name = consumer_group or config.consumer_group
         self.counts_backlog = self.group_name == config.consumer_group
         self.keys = BrokerKeys.of(shared, config)
+        self.decoder = decoder
         self._ack = client.register_script(_ACK)
         self._dead_letter = client.register_script(_DEAD_LETTER)
         self._drop = client.register_script(_DROP)
@@ -321,7 +327,7 @@ class Consumer:
             size = len(fields.get(b"d", b""))
             nbytes += size
             deliveries = counts.get(entry_id, 1)
-            gid, checked = _check_entry(fields)
+            gid, checked = _check_entry(fields, self.decoder)
             if isinstance(checked, _Bad):
                 await self._to_dead_letter(entry_id, gid, checked, deliveries, fields)
             elif deliveries > self.config.max_deliveries:

@@ -188,12 +188,18 @@ class Sample:
                 raise RecordError(
                     f"{path}.{name}", f"length {arr.shape[0]}", f"must equal len(output_ids) = {n}"
                 )
-        _first_bad(f"{path}.output_ids", self.output_ids, self.output_ids < 0, "token ids must be >= 0")
+        # Fast path: one reduction per array (min/max propagate NaN); masks only to locate a violation.
+        if self.output_ids.min() < 0:
+            _first_bad(f"{path}.output_ids", self.output_ids, self.output_ids < 0, "token ids must be >= 0")
         lp = self.logprobs
-        _first_bad(f"{path}.logprobs", lp, ~np.isfinite(lp), "log-probs must be finite")
-        _first_bad(f"{path}.logprobs", lp, lp > LOGPROB_EPS, f"log-probs must be <= {LOGPROB_EPS}")
-        _first_bad(f"{path}.versions", self.versions, self.versions < 0, "versions must be >= 0")
-        _first_bad(f"{path}.loss_mask", self.loss_mask, self.loss_mask > 1, "loss mask must be 0 or 1")
+        lo, hi = lp.min(), lp.max()
+        if not (np.isfinite(lo) and np.isfinite(hi) and hi <= LOGPROB_EPS):
+            _first_bad(f"{path}.logprobs", lp, ~np.isfinite(lp), "log-probs must be finite")
+            _first_bad(f"{path}.logprobs", lp, lp > LOGPROB_EPS, f"log-probs must be <= {LOGPROB_EPS}")
+        if self.versions.min() < 0:
+            _first_bad(f"{path}.versions", self.versions, self.versions < 0, "versions must be >= 0")
+        if self.loss_mask.max() > 1:
+            _first_bad(f"{path}.loss_mask", self.loss_mask, self.loss_mask > 1, "loss mask must be 0 or 1")
         self._validate_scalars(path)
 
     def _validate_scalars(self, path: str) -> None:
