@@ -55,6 +55,7 @@ FLUSH_OK = (
 )
 
 Extension = Callable[[web.Application, "EngineServer"], None]
+SERVER_KEY: web.AppKey[EngineServer] = web.AppKey("engine_server")
 
 
 @dataclass
@@ -162,7 +163,7 @@ class EngineServer:
 
     def make_app(self, extensions: Iterable[Extension] = ()) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
-        app["engine_server"] = self
+        app[SERVER_KEY] = self
         add = app.router.add_route
         for method in ("POST", "PUT"):
             add(method, "/generate", self.generate)
