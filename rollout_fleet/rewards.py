@@ -75,15 +75,19 @@ def normalize(value: Any, scorer: str) -> tuple[float, dict[str, float]]:
     return float(reward), {str(k): float(v) for k, v in components.items()}
 
 
-def _limit_threads() -> None:
-    if "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(1)
+def _limit_threads() -> bool:
+    """One torch thread once torch is imported (by a scorer); True when done."""
+    if "torch" not in sys.modules:
+        return False
+    sys.modules["torch"].set_num_threads(1)
+    return True
 
 
 def _worker_main(conn: Connection) -> None:
     """Serve (job, scorer, options, prompt, completion) requests until a None or EOF arrives."""
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ.setdefault(var, "1")
+        os.environ[var] = "1"  # read by torch / numpy when a scorer imports them
+    torch_limited = False
     scorers: dict[str, Callable[[Prompt, str], Any]] = {}
     conn.send(("ready", os.getpid()))
     while True:
@@ -98,13 +102,14 @@ def _worker_main(conn: Connection) -> None:
         try:
             if key not in scorers:
                 scorers[key] = resolve_scorer(scorer, options)
-                _limit_threads()
         except Exception as e:  # noqa: BLE001 - reported to the caller, never kills the worker
             conn.send((job, "error", f"cannot load reward {scorer!r}: {type(e).__name__}: {e}"))
             continue
         conn.send((job, "begin"))
         try:
-            reward, components = normalize(scorers[key](prompt, completion), scorer)
+            value = scorers[key](prompt, completion)
+            torch_limited = torch_limited or _limit_threads()
+            reward, components = normalize(value, scorer)
         except Exception as e:  # noqa: BLE001
             conn.send((job, "error", f"{type(e).__name__}: {e}"))
             continue

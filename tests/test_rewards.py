@@ -1,0 +1,156 @@
+"""The reward process pool: real worker processes, real SIGKILL on timeout, the pool serving afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from rollout_fleet.rewards import RewardFunctionError, RewardPool, normalize
+from rollout_fleet.tasks import Prompt, get_task
+from rollout_fleet.tasks.arithmetic import scratchpad
+from tests import reward_fns
+
+FNS = reward_fns.__name__
+PROMPT = get_task("arithmetic").make_prompt(0, "test")
+GOOD = scratchpad(PROMPT.metadata["a"], PROMPT.metadata["b"])
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a killed child that has been reaped is gone; a zombie would still answer kill(0)
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+@pytest.fixture
+async def pool():
+    async with RewardPool(workers=2, timeout_s=0.5, load_timeout_s=60) as p:
+        yield p
+
+
+async def test_task_verifier_by_name_returns_every_component(pool: RewardPool) -> None:
+    right = await pool.score("arithmetic", PROMPT, GOOD)
+    assert (right.status, right.reward, dict(right.components)) == (
+        "ok",
+        1.0,
+        {"correct": 1.0, "format": 1.0},
+    )
+    wrong = await pool.score("arithmetic", PROMPT, GOOD[:-1] + str((int(GOOD[-1]) + 1) % 10))
+    assert (wrong.status, wrong.reward, dict(wrong.components)) == (
+        "ok",
+        0.0,
+        {"correct": 0.0, "format": 1.0},
+    )
+    weighted = await pool.score("arithmetic", PROMPT, "#" + PROMPT.answer, options={"format_weight": 0.1})
+    assert weighted.reward == pytest.approx(1.0) and weighted.components["format"] == 0.0
+
+
+async def test_custom_function_by_import_path_with_options_and_components(pool: RewardPool) -> None:
+    result = await pool.score(f"{FNS}:length_reward", PROMPT, "x" + PROMPT.answer, options={"scale": 2.0})
+    assert result.status == "ok" and result.error is None
+    assert result.reward == 2.0
+    assert dict(result.components) == {"hit": 1.0, "length": float(len(PROMPT.answer) + 1)}
+    as_result = await pool.score(f"{FNS}:as_result", PROMPT, "")
+    assert (as_result.reward, dict(as_result.components)) == (0.25, {"partial": 0.25})
+
+
+async def test_hanging_function_is_killed_and_replaced_and_pool_keeps_serving(pool: RewardPool) -> None:
+    served_by = await asyncio.gather(*(pool.score(f"{FNS}:pid", PROMPT, "") for _ in range(4)))
+    before = set(pool.pids())
+    assert {int(r.reward) for r in served_by} <= before
+    result = await pool.score(f"{FNS}:hang", PROMPT, "")
+    assert result.status == "timeout" and result.reward == 0.0 and result.components == {}
+    assert "0.5 s" in result.error and "killed" in result.error
+    killed = before - set(pool.pids())
+    assert len(killed) == 1 and not alive(killed.pop())
+    assert len(pool.pids()) == 2  # replaced at once, the pool is back to full strength
+    after = await asyncio.gather(*(pool.score("arithmetic", PROMPT, GOOD) for _ in range(20)))
+    assert [r.status for r in after] == ["ok"] * 20 and all(r.reward == 1.0 for r in after)
+    assert pool.stats["timeout"] == 1 and pool.stats["restarts"] == 1
+
+
+async def test_two_hangs_at_once_do_not_stall_other_requests() -> None:
+    async with RewardPool(workers=3, timeout_s=0.5) as pool:
+        hangs = [asyncio.create_task(pool.score(f"{FNS}:hang", PROMPT, "")) for _ in range(2)]
+        await asyncio.sleep(0)
+        quick = await asyncio.gather(*(pool.score("arithmetic", PROMPT, GOOD) for _ in range(10)))
+        assert all(r.status == "ok" for r in quick)
+        assert [r.status for r in await asyncio.gather(*hangs)] == ["timeout", "timeout"]
+        assert (await pool.score("arithmetic", PROMPT, GOOD)).status == "ok"
+
+
+async def test_raising_function_gives_error_with_message(pool: RewardPool) -> None:
+    result = await pool.score(f"{FNS}:boom", PROMPT, "")
+    assert result.status == "error" and result.reward == 0.0
+    assert "RuntimeError" in result.error and f"verifier exploded on {PROMPT.prompt_id}" in result.error
+    assert (await pool.score("arithmetic", PROMPT, GOOD)).reward == 1.0
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        ("nan_reward", "non-finite reward: nan"),
+        ("inf_component", "non-finite component 'bonus': inf"),
+        ("not_a_number", "reward = 'high', not a number"),
+        ("NOT_CALLABLE", "not callable"),
+        ("no_such_function", "has no attribute"),
+    ],
+)
+async def test_unusable_rewards_are_errors_with_clear_messages(
+    pool: RewardPool, fn: str, message: str
+) -> None:
+    result = await pool.score(f"{FNS}:{fn}", PROMPT, "")
+    assert result.status == "error" and result.reward == 0.0 and result.components == {}
+    assert message in result.error
+
+
+async def test_unknown_task_name_is_an_error_not_a_crash(pool: RewardPool) -> None:
+    result = await pool.score("no-such-task", PROMPT, "")
+    assert result.status == "error" and "unknown task 'no-such-task'" in result.error
+
+
+async def test_worker_that_dies_is_an_error_and_is_replaced(pool: RewardPool) -> None:
+    result = await pool.score(f"{FNS}:die", PROMPT, "")
+    assert result.status == "error" and "died (exit code 3)" in result.error
+    assert len(pool.pids()) == 2
+    assert (await pool.score("arithmetic", PROMPT, GOOD)).status == "ok"
+
+
+async def test_cancelled_call_kills_the_busy_worker_so_no_late_answer_leaks(pool: RewardPool) -> None:
+    call = asyncio.create_task(pool.score(f"{FNS}:hang", PROMPT, ""))
+    await asyncio.sleep(0.2)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    results = await asyncio.gather(
+        *(pool.score(f"{FNS}:length_reward", PROMPT, PROMPT.answer) for _ in range(6))
+    )
+    assert [r.reward for r in results] == [1.0] * 6
+
+
+async def test_worker_limits_torch_to_one_thread_and_spawn_works() -> None:
+    async with RewardPool(workers=1, timeout_s=60, start_method="spawn") as pool:
+        result = await pool.score(f"{FNS}:torch_threads", PROMPT, "")
+    assert (result.status, result.reward) == ("ok", 1.0)
+
+
+def test_bad_pool_arguments_are_rejected() -> None:
+    with pytest.raises(ValueError, match="start_method"):
+        RewardPool(start_method="fork")
+    with pytest.raises(ValueError, match="workers"):
+        RewardPool(workers=0)
+
+
+def test_normalize_accepts_numbers_mappings_and_results() -> None:
+    assert normalize(1, "f") == (1.0, {})
+    assert normalize({"reward": 0.5, "a": 1}, "f") == (0.5, {"a": 1.0})
+    with pytest.raises(RewardFunctionError, match="without a 'reward' key"):
+        normalize({"a": 1.0}, "f")
+    with pytest.raises(RewardFunctionError, match="not a number"):
+        normalize(True, "f")
+    assert isinstance(PROMPT, Prompt)
