@@ -599,3 +599,60 @@ async def test_update_weight_version_labels_later_tokens(model_dir: Path, http) 
         res = await generate(http, srv, {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
         assert res["meta_info"]["weight_version"] == "7"
         assert res["meta_info"]["weight_versions"] == [{"version": "7", "start": 0, "end": 2}]
+
+
+async def test_retracted_request_aborted_while_paused_keeps_its_partial_output(
+    srv: ServerThread, http
+) -> None:
+    body = {"input_ids": prompt_ids(6, 33), "rid": "ra", "return_logprob": True, "sampling_params": LONG}
+    task = await _pause_mid_request(srv, http, body, "retract")
+    k = tokens_of(srv, "ra")
+    await call(http, "POST", srv.url + "/abort_request", {"abort_all": True})
+    res = await task
+    assert await call(http, "POST", srv.url + "/continue_generation", {}) == (
+        200,
+        {"message": "Generation continued successfully.", "status": "ok"},
+    )
+    meta = res["meta_info"]
+    assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert (
+        len(res["output_ids"]) == meta["completion_tokens"] == k > 0
+    )  # resumable: the tokens so far come back
+    assert meta["output_token_logprobs_length"] == k and "prompt_tokens" not in meta
+
+
+async def test_zero_new_tokens_and_prompt_logprobs_only(srv: ServerThread, hf, http) -> None:
+    prompt = prompt_ids(7, 34)
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": 2,
+    }
+    res = await generate(http, srv, body)
+    assert res["output_ids"] == [] and res["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    inputs = res["meta_info"]["input_token_logprobs"]
+    assert [t[1] for t in inputs] == prompt[2:] and inputs[0][0] is None
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1)
+    expected = [lp[i - 1, prompt[i]].item() for i in range(3, len(prompt))]
+    assert torch.allclose(torch.tensor([t[0] for t in inputs[1:]]), torch.tensor(expected), atol=1e-4)
+
+
+@pytest.mark.gpu
+async def test_cuda_engine_matches_the_cpu_forward(model_dir: Path, hf, http) -> None:
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu marker needs a CUDA device")
+    prompt = prompt_ids(11, 35)
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 32, "ignore_eos": True},
+    }
+    with serving(model_dir, device="cuda", dtype="float32") as srv:
+        assert srv.engine.device.type == "cuda"
+        res = await generate(http, srv, body)
+    assert torch.allclose(logprobs_of(res), reference_logprobs(hf, prompt, res["output_ids"], 1.0), atol=1e-3)
+    with serving(model_dir, device="cuda", dtype="bfloat16") as srv:
+        res = await generate(http, srv, {**body, "input_ids": [prompt, prompt[:5]]})
+    assert [r["meta_info"]["completion_tokens"] for r in res] == [32, 32]
