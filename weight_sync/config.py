@@ -12,9 +12,41 @@ from broker.configlib import Section
 class WeightSyncConfig(Section):
     """Moving weights from the learner's rank 0 to every engine."""
 
-    group_name: str = Field("weight_update_group", description="Name (and store prefix) of the update group.")
-    bucket_mb: int = Field(256, ge=1, description="Bucket size for the broadcast, MiB.")
+    group_name: str = Field(
+        "weight_update_group", min_length=1, description="Name (and store prefix) of the update group."
+    )
+    bucket_mb: float = Field(256, gt=0, description="Bucket size for the broadcast, MiB (fractions allowed).")
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
         "abort", description="How engines pause during an update: abort, retract or in_place."
     )
     timeout_s: float = Field(120.0, gt=0, description="Timeout of every broadcast and update call, seconds.")
+    load_format: Literal["flattened_bucket", "per_tensor"] = Field(
+        "flattened_bucket",
+        description="flattened_bucket: one broadcast of a packed uint8 buffer per bucket; per_tensor: one each.",
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Backend of the update group; auto is nccl with a GPU, else gloo."
+    )
+    master_address: str | None = Field(
+        None, description="Address engines use to reach the learner's rank 0; unset guesses this host's."
+    )
+    master_port: int = Field(
+        0, ge=0, le=65535, description="TCPStore port on the learner's rank 0; 0 picks a free one per group."
+    )
+    flush_cache: bool | None = Field(
+        None,
+        description="flush_cache sent with each bucket; unset: true except with pause_mode in_place "
+        "(a flush fails while paused requests hold the KV cache).",
+    )
+    send_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Cast floating weights to this dtype before sending; auto sends them as trained."
+    )
+    max_attempts: int = Field(
+        3,
+        ge=1,
+        description="Attempts per sync; after a failure the group is rebuilt with the healthy engines.",
+    )
+
+    def flush(self) -> bool:
+        """The flush_cache flag to send: explicit, else derived from the pause mode."""
+        return self.pause_mode != "in_place" if self.flush_cache is None else self.flush_cache

@@ -1,0 +1,288 @@
+"""SGLang 0.5.x weight-update protocol: request bodies, their parsing on the engine side, and reply parsing.
+
+Pure data, no HTTP (client.py sends, the engine's handlers receive). Field names, defaults and messages follow
+SGLang 0.5.23 (``managers/io_struct.py``, ``scheduler_components/weight_updater.py``); see
+shared/reference/sglang-api.md sections 3 and 4 and docs/weight_sync.md.
+
+Order per update: pause_generation -> begin_weight_update (absent, 404, before 0.5.23) ->
+update_weights_from_distributed per bucket -> end_weight_update -> continue_generation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from weight_sync.buckets import TensorMeta, dtype_name, metas_from_request
+
+INIT_GROUP = "/init_weights_update_group"
+UPDATE_DISTRIBUTED = "/update_weights_from_distributed"
+BEGIN = "/begin_weight_update"
+END = "/end_weight_update"
+PAUSE = "/pause_generation"
+CONTINUE = "/continue_generation"
+DESTROY_GROUP = "/destroy_weights_update_group"
+UPDATE_FROM_DISK = "/update_weights_from_disk"
+GET_WEIGHTS_BY_NAME = "/get_weights_by_name"
+MODEL_INFO = "/model_info"
+
+DEFAULT_GROUP = "weight_update_group"
+PAUSE_MODES = ("abort", "retract", "in_place")
+LOAD_FORMATS = (None, "flattened_bucket")
+
+# Reply messages, verbatim from SGLang 0.5.23.
+MSG_INIT_OK = "Succeeded to initialize custom process group."
+MSG_UPDATE_OK = "Succeeded to update parameter online."
+MSG_SESSION_REQUIRED = (
+    "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+)
+MSG_BEGIN_TWICE = "a weight-update session is already open; call end_weight_update() first"
+MSG_END_WITHOUT_BEGIN = "no weight-update session is open; call begin_weight_update() first"
+MSG_SESSION_OK = "Success"
+MSG_DESTROY_OK = "Succeeded to destroy custom process group."
+MSG_DESTROY_MISSING = "The group to be destroyed does not exist."
+MSG_PAUSED = "Generation paused successfully."
+MSG_CONTINUED = "Generation continued successfully."
+
+
+def version_suffix(weight_version: str | None) -> str:
+    """Appended to a successful update's message when a weight_version was sent."""
+    return f" Weight version updated to {weight_version}." if weight_version is not None else ""
+
+
+# ---------------------------------------------------------------------------------------------- builders
+
+
+def init_group_body(
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str = DEFAULT_GROUP,
+    backend: str = "nccl",
+) -> dict[str, Any]:
+    """``/init_weights_update_group``: engine rank r joins as ``rank_offset + tp_rank``."""
+    if not group_name:
+        raise ValueError("group_name must be non-empty")
+    if rank_offset < 1 or world_size <= rank_offset:
+        raise ValueError(f"rank_offset = {rank_offset} must be in [1, world_size = {world_size})")
+    return {
+        "master_address": master_address,
+        "master_port": int(master_port),
+        "rank_offset": int(rank_offset),
+        "world_size": int(world_size),
+        "group_name": group_name,
+        "backend": backend,
+    }
+
+
+def update_distributed_body(
+    metas: list[TensorMeta],
+    group_name: str = DEFAULT_GROUP,
+    flush_cache: bool = True,
+    weight_version: str | None = None,
+    load_format: str | None = None,
+    abort_all_requests: bool = False,
+) -> dict[str, Any]:
+    """``/update_weights_from_distributed`` for one bucket: HF names, dtypes without ``torch.``, full shapes."""
+    if not metas:
+        raise ValueError("an update needs at least one tensor")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format = {load_format!r}: expected one of {LOAD_FORMATS}")
+    return {
+        "names": [m.name for m in metas],
+        "dtypes": [dtype_name(m.dtype) for m in metas],
+        "shapes": [list(m.shape) for m in metas],
+        "group_name": group_name,
+        "flush_cache": bool(flush_cache),
+        "abort_all_requests": bool(abort_all_requests),
+        "weight_version": weight_version,
+        "load_format": load_format,
+    }
+
+
+def begin_body(selector: Literal["target", "draft", "all"] = "all") -> dict[str, Any]:
+    return {"selector": selector}
+
+
+def end_body() -> dict[str, Any]:
+    return {}
+
+
+def pause_body(mode: str = "abort") -> dict[str, Any]:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode = {mode!r}: expected one of {PAUSE_MODES}")
+    return {"mode": mode}
+
+
+def continue_body() -> dict[str, Any]:
+    """``{}``: 0.5.10 has no fields, 0.5.23 defaults ``torch_empty_cache`` to true."""
+    return {}
+
+
+def destroy_group_body(group_name: str = DEFAULT_GROUP) -> dict[str, Any]:
+    return {"group_name": group_name}
+
+
+def update_from_disk_body(
+    model_path: str,
+    weight_version: str | None = None,
+    flush_cache: bool = True,
+    abort_all_requests: bool = False,
+) -> dict[str, Any]:
+    """``/update_weights_from_disk``: reload from an HF directory (recovery of a restarted engine)."""
+    if not model_path:
+        raise ValueError("model_path must be non-empty")
+    return {
+        "model_path": str(model_path),
+        "weight_version": weight_version,
+        "flush_cache": bool(flush_cache),
+        "abort_all_requests": bool(abort_all_requests),
+    }
+
+
+def get_weights_by_name_body(name: str, truncate_size: int = 100) -> dict[str, Any]:
+    return {"name": name, "truncate_size": int(truncate_size)}
+
+
+# ------------------------------------------------------------------------------- engine-side parsing
+
+
+def _require(body: Any, key: str, kind: type | tuple[type, ...], endpoint: str) -> Any:
+    if not isinstance(body, dict):
+        raise ValueError(f"{endpoint}: the body must be a JSON object, got {type(body).__name__}")
+    if key not in body:
+        raise ValueError(f"{endpoint}: field {key!r} is required")
+    value = body[key]
+    if kind is int and isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)  # pydantic lax mode: "29500" is accepted for int fields (AReaL relies on it)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"{endpoint}: field {key!r} = {value!r} has the wrong type")
+    return value
+
+
+@dataclass(frozen=True)
+class InitGroupRequest:
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = DEFAULT_GROUP
+    backend: str = "nccl"
+
+
+def parse_init_group(body: Any) -> InitGroupRequest:
+    ep = INIT_GROUP
+    req = InitGroupRequest(
+        master_address=_require(body, "master_address", str, ep),
+        master_port=_require(body, "master_port", int, ep),
+        rank_offset=_require(body, "rank_offset", int, ep),
+        world_size=_require(body, "world_size", int, ep),
+        group_name=body.get("group_name", DEFAULT_GROUP),
+        backend=body.get("backend", "nccl"),
+    )
+    if not isinstance(req.group_name, str) or not req.group_name:
+        raise ValueError(f"{ep}: group_name = {req.group_name!r} must be a non-empty string")
+    return req
+
+
+@dataclass(frozen=True)
+class UpdateRequest:
+    metas: list[TensorMeta]
+    group_name: str = DEFAULT_GROUP
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+def parse_update_distributed(body: Any) -> UpdateRequest:
+    ep = UPDATE_DISTRIBUTED
+    names = _require(body, "names", list, ep)
+    dtypes = _require(body, "dtypes", list, ep)
+    shapes = _require(body, "shapes", list, ep)
+    load_format = body.get("load_format")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"{ep}: load_format = {load_format!r}: expected one of {LOAD_FORMATS}")
+    version = body.get("weight_version")
+    if version is not None and not isinstance(version, str):
+        raise ValueError(f"{ep}: weight_version = {version!r} must be a string or null")
+    return UpdateRequest(
+        metas=metas_from_request(names, dtypes, shapes),
+        group_name=body.get("group_name", DEFAULT_GROUP),
+        flush_cache=bool(body.get("flush_cache", True)),
+        abort_all_requests=bool(body.get("abort_all_requests", False)),
+        weight_version=version,
+        load_format=load_format,
+    )
+
+
+def parse_pause_mode(body: Any) -> str:
+    mode = (body or {}).get("mode", "abort") if isinstance(body, dict | type(None)) else None
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"{PAUSE}: mode = {mode!r}: expected one of {PAUSE_MODES}")
+    return mode
+
+
+def parse_group_name(body: Any) -> str:
+    name = (body or {}).get("group_name", DEFAULT_GROUP) if isinstance(body, dict | type(None)) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"group_name = {name!r} must be a non-empty string")
+    return name
+
+
+# ------------------------------------------------------------------------------------ reply parsing
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One HTTP reply, or a transport failure (``status`` 0: refused, reset, timed out)."""
+
+    status: int
+    body: Any = None
+    error: str | None = None
+
+    @property
+    def transport_failed(self) -> bool:
+        return self.status == 0
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
+
+    @property
+    def ok(self) -> bool:
+        """HTTP 200 and, when the body says, ``success`` (``{"status": "ok"}`` for pause / continue)."""
+        if self.status != 200:
+            return False
+        if isinstance(self.body, dict):
+            if "success" in self.body:
+                return bool(self.body["success"])
+            if "status" in self.body:
+                return self.body["status"] == "ok"
+        return True
+
+    @property
+    def message(self) -> str:
+        """The best human-readable reason: transport error, ``message``, ``error.message``, or the text."""
+        if self.error:
+            return self.error
+        body = self.body
+        if isinstance(body, dict):
+            if isinstance(body.get("message"), str):
+                return body["message"]
+            err = body.get("error")
+            if isinstance(err, dict) and isinstance(err.get("message"), str):
+                return err["message"]
+            if isinstance(err, str):
+                return err
+        return "" if body is None else str(body)[:500]
+
+    def describe(self) -> str:
+        """``HTTP 400: <message>`` or ``transport: <error>`` for failure reports."""
+        return f"transport: {self.error}" if self.transport_failed else f"HTTP {self.status}: {self.message}"
+
+
+def reply_body(success: bool, message: str, **extra: Any) -> tuple[int, dict[str, Any]]:
+    """An engine's ``{success, message}`` reply and its status: 200 on success, 400 on failure."""
+    return (200 if success else 400), {"success": success, "message": message, **extra}

@@ -1,0 +1,568 @@
+"""Learner side of the weight sync: gather full tensors from FSDP2 shards, bucket them, broadcast them from the
+learner's rank 0 to every engine rank while driving SGLang's HTTP update protocol, and survive engines dying.
+
+Every learner rank calls ``sync_weights(model, version, sender)``; only rank 0 holds a ``WeightSender``.
+
+Pipelining: the calling (main) thread of every rank walks the parameters and gathers each one
+(``DTensor.full_tensor()``, an all-gather over the learner's own group); on rank 0 it also packs the gathered
+tensors into buckets (and the ``flattened_bucket`` byte buffer) and hands each full bucket to a sender thread
+through a queue of depth one. The sender thread does the HTTP calls and the broadcast of one bucket at a time.
+So bucket k+1 is gathered and packed while bucket k is on the wire, and at most three buckets are alive at once
+(one in flight, one queued, one filling). Buckets are serialized on the wire: the HTTP call for bucket k+1 is
+sent only after every engine confirmed bucket k, because engines post their receives in the order their HTTP
+requests arrive.
+
+Faults: every HTTP call and every broadcast wait is bounded by ``timeout_s``. A failed attempt is attributed to
+engines (transport failure or no answer to a probe = dead; otherwise the engines whose reply failed for a
+reason other than a timeout), those are quarantined, the group is destroyed and rebuilt with the others, and
+the whole model is sent again (every learner rank takes part in the new gather; rank 0 tells them by a
+one-element broadcast over the learner's group). Survivors keep their weight-update session open across the
+retry, so a partially updated engine never closes a session, never gets ``continue_generation``, and never
+serves. A quarantined engine comes back with ``WeightSender.recover``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from weight_sync import protocol
+from weight_sync.buckets import Bucket, BucketBuilder
+from weight_sync.client import EngineHttp, wait_reply
+from weight_sync.config import WeightSyncConfig
+from weight_sync.group import UpdateGroup, default_backend, host_address, join_group, open_store
+from weight_sync.protocol import Reply
+
+log = logging.getLogger(__name__)
+
+# Wrapper prefixes that torch adds to parameter names; engines expect plain Hugging Face names.
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine server: its base URL and how many ranks (TP size) it puts in the group."""
+
+    url: str
+    ranks: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"engine url = {self.url!r} must start with http:// or https://")
+        if self.ranks < 1:
+            raise ValueError(f"engine ranks = {self.ranks} for {self.url} must be >= 1")
+
+
+def as_engine(engine: str | EngineSpec | tuple[str, int]) -> EngineSpec:
+    if isinstance(engine, EngineSpec):
+        return engine
+    if isinstance(engine, str):
+        return EngineSpec(engine.rstrip("/"))
+    url, ranks = engine
+    return EngineSpec(url.rstrip("/"), int(ranks))
+
+
+def rank_layout(engines: Sequence[EngineSpec]) -> tuple[dict[str, int], int]:
+    """``rank_offset`` per engine (1 + ranks of the engines before it) and ``world_size`` (1 + all ranks)."""
+    offsets, next_rank = {}, 1
+    for engine in engines:
+        offsets[engine.url] = next_rank
+        next_rank += engine.ranks
+    return offsets, next_rank
+
+
+@dataclass
+class SyncResult:
+    """What one ``sync_weights`` did. ``ok``: every engine that was in the pool got the whole model."""
+
+    version: int
+    engines_ok: list[str]
+    engines_failed: dict[str, str]
+    seconds: float
+    paused_seconds: float
+    bytes: int
+    buckets: int = 0
+    attempts: int = 1
+    quarantined: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.engines_failed
+
+
+def hf_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def iter_full_tensors(
+    model: nn.Module, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` for every parameter, gathered one at a time.
+
+    Every learner rank must iterate this to the end: each ``full_tensor()`` is an all-gather over the FSDP
+    mesh. Tied weights appear once (``named_parameters`` deduplicates), as in the HF checkpoint.
+    """
+    for name, param in model.named_parameters():
+        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+        tensor = tensor.detach()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        yield hf_name(name), tensor.contiguous()
+
+
+class _Attempt:
+    """One pass over the model on rank 0: the main thread adds tensors, a sender thread ships buckets."""
+
+    def __init__(self, sender: WeightSender, version: int) -> None:
+        self.sender = sender
+        self.version = version
+        cfg = sender.config
+        self.flattened = cfg.load_format == "flattened_bucket"
+        self.builder = BucketBuilder(max(1, int(cfg.bucket_mb * 2**20)))
+        self.queue: queue.Queue[Bucket | None] = queue.Queue(maxsize=1)
+        self.members = list(sender.members)
+        self.failures: dict[str, Reply] = {}
+        self.error: str | None = None
+        self.bytes = 0
+        self.buckets = 0
+        self.thread = threading.Thread(target=self._run, name="weight-sync-send", daemon=True)
+        self.thread.start()
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.failures) or self.error is not None
+
+    # ------------------------------------------------------------------------------------- main thread
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        done = self.builder.add(name, tensor)
+        if done is not None:
+            self._put(done)
+
+    def finish(self) -> None:
+        last = self.builder.flush()
+        if last is not None:
+            self._put(last)
+        self._put(None)
+        self.thread.join()
+
+    def _put(self, bucket: Bucket | None) -> None:
+        if bucket is not None and self.failed:
+            return  # the attempt already failed: keep gathering (all ranks must) but ship nothing
+        if bucket is not None and self.flattened:
+            bucket.flat = bucket.flatten()  # packed here, overlapping the previous bucket's broadcast
+            bucket.tensors = []
+        while self.thread.is_alive():
+            try:
+                self.queue.put(bucket, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    # ----------------------------------------------------------------------------------- sender thread
+
+    def _run(self) -> None:
+        try:
+            if self.members:
+                self._prepare()
+        except Exception as exc:  # never leave the main thread blocked on the queue
+            self.error = f"prepare failed: {exc!r}"
+        while True:
+            bucket = self.queue.get()
+            if bucket is None:
+                return
+            if self.failed or not self.members:
+                continue
+            try:
+                self._send(bucket)
+            except Exception as exc:
+                self.error = f"bucket {self.buckets}: {exc!r}"
+
+    def _prepare(self) -> None:
+        """Pause every member not yet paused, then open a session where the server has sessions."""
+        s = self.sender
+        to_pause = [e.url for e in self.members if e.url not in s.paused]
+        if s.pause_started is None:
+            s.pause_started = time.perf_counter()
+        for url, reply in s.http.call_all(
+            to_pause, protocol.PAUSE, protocol.pause_body(s.config.pause_mode)
+        ).items():
+            if reply.ok:
+                s.paused.add(url)
+            else:
+                self.failures[url] = reply
+        if self.failures:
+            return
+        to_begin = [
+            e.url for e in self.members if s.has_session.get(e.url) is not False and e.url not in s.sessions
+        ]
+        for url, reply in s.http.call_all(to_begin, protocol.BEGIN, protocol.begin_body()).items():
+            if reply.not_found:
+                s.has_session[url] = False  # SGLang before 0.5.23: no session
+            elif reply.ok or reply.message == protocol.MSG_BEGIN_TWICE:
+                s.has_session[url] = True
+                s.sessions.add(url)
+            else:
+                self.failures[url] = reply
+
+    def _send(self, bucket: Bucket) -> None:
+        s, cfg = self.sender, self.sender.config
+        body = protocol.update_distributed_body(
+            bucket.metas,
+            group_name=cfg.group_name,
+            flush_cache=cfg.flush(),
+            weight_version=str(self.version),
+            load_format="flattened_bucket" if self.flattened else None,
+        )
+        futures = {e.url: s.http.submit(e.url, protocol.UPDATE_DISTRIBUTED, body) for e in self.members}
+        payload = [bucket.flat] if self.flattened else bucket.tensors
+        works = [s.group.broadcast(t, async_op=True) for t in payload]
+        self._wait_broadcast(works, futures, payload)
+        for url, fut in futures.items():
+            reply = wait_reply(fut, cfg.timeout_s)
+            if not reply.ok:
+                self.failures[url] = reply
+        if not self.failed:
+            self.bytes += bucket.nbytes
+            self.buckets += 1
+
+    def _wait_broadcast(self, works: list, futures: dict[str, Future[Reply]], payload: list) -> None:
+        """Wait for the broadcast, but stop waiting early when an engine already failed this bucket (its
+        receive will never be posted, so the broadcast could only time out)."""
+        timeout_s = self.sender.config.timeout_s
+        deadline = time.monotonic() + timeout_s
+        pending = list(works)
+        while pending:
+            pending = [w for w in pending if not w.is_completed()]
+            if not pending:
+                break
+            if any(f.done() and not f.result().ok for f in futures.values()):
+                self.error = "broadcast abandoned: an engine failed the update"
+                self.sender.abandon(works, payload)
+                return
+            if time.monotonic() > deadline:
+                self.error = f"broadcast not complete within {timeout_s:g} s"
+                self.sender.abandon(works, payload)
+                return
+            time.sleep(0.001)
+        try:
+            for work in works:
+                work.wait(timedelta(seconds=timeout_s))
+        except Exception as exc:  # a member died mid-broadcast (gloo: connection reset)
+            self.error = f"broadcast failed: {exc}"
+
+
+class WeightSender:
+    """Learner rank 0's end of the weight sync, for a pool of engines (SGLang or the built-in engine)."""
+
+    def __init__(
+        self,
+        engines: Iterable[str | EngineSpec | tuple[str, int]],
+        config: WeightSyncConfig | None = None,
+    ) -> None:
+        self.config = config or WeightSyncConfig()
+        self.engines: list[EngineSpec] = [as_engine(e) for e in engines]
+        urls = [e.url for e in self.engines]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"engines: duplicate URLs in {urls}")
+        self.backend = default_backend() if self.config.backend == "auto" else self.config.backend
+        self.address = self.config.master_address or host_address()
+        self.http = EngineHttp(self.config.timeout_s)
+        self.group: UpdateGroup | None = None
+        self.members: list[EngineSpec] = []
+        self.quarantined: dict[str, str] = {}
+        self.has_session: dict[str, bool] = {}
+        self.sessions: set[str] = set()  # engines with a session we opened and have not closed
+        self.paused: set[str] = set()
+        self.pause_started: float | None = None
+        self.pause_ended: float | None = None
+        self.syncs = 0
+        # Broadcasts given up on, with their buffers: gloo may still read them until the peer goes away.
+        self._abandoned: list[tuple[list, list]] = []
+
+    def abandon(self, works: list, payload: list) -> None:
+        self._abandoned = [(w, p) for w, p in self._abandoned if not all(x.is_completed() for x in w)]
+        self._abandoned.append((works, payload))
+
+    # ---------------------------------------------------------------------------------------- group
+
+    @property
+    def healthy(self) -> list[EngineSpec]:
+        return [e for e in self.engines if e.url not in self.quarantined]
+
+    def connect(self) -> dict[str, str]:
+        """(Re)build the group with every engine not quarantined; returns the engines quarantined on the way.
+
+        An engine whose init fails is quarantined and the group is built again without it.
+        """
+        newly: dict[str, str] = {}
+        while True:
+            failures = self._build_group(self.healthy)
+            if not failures:
+                return newly
+            blamed = self._blame(failures)
+            self._quarantine(blamed)
+            newly.update(blamed)
+
+    def set_engines(self, engines: Iterable[str | EngineSpec | tuple[str, int]]) -> dict[str, str]:
+        """Membership changed (an engine joined or left): rebuild the group with the engines present.
+
+        The caller must then run ``sync_weights`` with the current version so that newcomers get the weights.
+        """
+        new = [as_engine(e) for e in engines]
+        self.engines = new
+        keep = {e.url for e in new}
+        self.quarantined = {u: r for u, r in self.quarantined.items() if u in keep}
+        return self.connect()
+
+    def _build_group(self, members: list[EngineSpec]) -> dict[str, Reply]:
+        self._teardown_group()
+        if not members:
+            return {}
+        cfg = self.config
+        offsets, world = rank_layout(members)
+        store = open_store(self.address, cfg.master_port, 0, world, cfg.timeout_s)
+        port = store.port
+        futures = {
+            e.url: self.http.submit(
+                e.url,
+                protocol.INIT_GROUP,
+                protocol.init_group_body(
+                    self.address, port, offsets[e.url], world, cfg.group_name, self.backend
+                ),
+            )
+            for e in members
+        }
+        group, join_error = None, None
+        try:
+            group = join_group(
+                self.address, port, 0, world, cfg.group_name, self.backend, cfg.timeout_s, store
+            )
+        except Exception as exc:  # some engine did not join in time; the replies say which
+            join_error = exc
+        replies = {url: wait_reply(fut, cfg.timeout_s) for url, fut in futures.items()}
+        failures = {url: r for url, r in replies.items() if not r.ok}
+        if join_error is not None or failures:
+            if group is not None:
+                group.destroy()
+            joined = [url for url, r in replies.items() if r.ok]
+            self.http.call_all(joined, protocol.DESTROY_GROUP, protocol.destroy_group_body(cfg.group_name))
+            if not failures:
+                failures = {e.url: Reply(0, None, f"group join failed: {join_error}") for e in members}
+            return failures
+        self.group, self.members = group, list(members)
+        log.info(
+            "weight-update group %s: %d engines, world size %d, port %d",
+            cfg.group_name,
+            len(members),
+            world,
+            port,
+        )
+        return {}
+
+    def _teardown_group(self) -> None:
+        if self.group is None:
+            return
+        urls = [e.url for e in self.members if e.url not in self.quarantined]
+        self.http.call_all(urls, protocol.DESTROY_GROUP, protocol.destroy_group_body(self.config.group_name))
+        self.group.destroy()
+        self.group, self.members = None, []
+
+    def _quarantine(self, blamed: dict[str, str]) -> None:
+        for url, reason in blamed.items():
+            log.warning("quarantining engine %s: %s", url, reason)
+            self.quarantined[url] = reason
+            self.sessions.discard(url)
+            self.paused.discard(url)  # it stays paused on its side: a partially updated engine never serves
+            self.has_session.pop(url, None)
+
+    def _alive(self, urls: Iterable[str]) -> dict[str, bool]:
+        """A cheap probe that never generates (``/health`` would block while paused): any HTTP answer."""
+        timeout = min(self.config.timeout_s, 5.0)
+        futures = {u: self.http.submit(u, protocol.MODEL_INFO, None, timeout, method="GET") for u in urls}
+        return {u: not wait_reply(f, timeout).transport_failed for u, f in futures.items()}
+
+    def _blame(self, failures: dict[str, Reply]) -> dict[str, str]:
+        """Which engines caused a failed step: dead ones (transport failure or no answer to a probe); if none
+        is dead, those whose failure was not a timeout (a timeout is usually collateral); else all of them."""
+        alive = self._alive([e.url for e in self.members or self.healthy])
+        dead = {u: r.describe() for u, r in failures.items() if r.transport_failed}
+        for url, ok in alive.items():
+            if not ok and url not in dead:
+                dead[url] = "no answer to a probe after a failed update"
+        if dead:
+            return dead
+        explicit = {u: r.describe() for u, r in failures.items()}
+        not_timeouts = {
+            u: m for u, m in explicit.items() if "timed out" not in m.lower() and "timeout" not in m.lower()
+        }
+        return not_timeouts or explicit
+
+    # ------------------------------------------------------------------------------------- per update
+
+    def start_attempt(self, version: int) -> _Attempt:
+        if self.group is None and self.healthy:
+            self.connect()
+        return _Attempt(self, version)
+
+    def finish_attempt(self, attempt: _Attempt, state: _SyncState) -> bool:
+        """Close an attempt; returns True when the model must be sent again (after a rebuild)."""
+        attempt.finish()
+        state.attempts += 1
+        state.bytes += attempt.bytes
+        state.buckets += attempt.buckets
+        if not attempt.members:
+            return False
+        if not attempt.failed:
+            failures = self._complete(attempt.members)
+            if not failures:
+                state.ok = [e.url for e in attempt.members]
+                return False
+            attempt.failures.update(failures)
+        blamed = self._blame(attempt.failures) if attempt.failures else {}
+        if not blamed:  # nobody to blame (a local broadcast error): report every member, rebuild, no retry
+            reason = attempt.error or "update failed"
+            blamed = {e.url: reason for e in attempt.members}
+        self._quarantine(blamed)
+        state.failed.update(blamed)
+        self.connect()  # destroy the broken group, rebuild with the survivors (may quarantine more)
+        survivors = [e.url for e in self.members]
+        if survivors and state.attempts < self.config.max_attempts:
+            log.warning("re-sending version %d to %d surviving engines", attempt.version, len(survivors))
+            return True
+        for url in survivors:
+            state.failed[url] = f"not updated after {state.attempts} attempts: {attempt.error or 'failed'}"
+        return False
+
+    def _complete(self, members: list[EngineSpec]) -> dict[str, Reply]:
+        """End the sessions, then let generation continue, on engines that received the whole model."""
+        urls = [e.url for e in members]
+        ends = self.http.call_all([u for u in urls if u in self.sessions], protocol.END, protocol.end_body())
+        failures = {u: r for u, r in ends.items() if not r.ok}
+        self.sessions -= set(ends)
+        resumable = [u for u in urls if u not in failures]
+        conts = self.http.call_all(resumable, protocol.CONTINUE, protocol.continue_body())
+        failures.update({u: r for u, r in conts.items() if not r.ok})
+        self.paused -= {u for u, r in conts.items() if r.ok}
+        self.pause_ended = time.perf_counter()
+        return failures
+
+    # -------------------------------------------------------------------------------------- recovery
+
+    def recover(self, url: str, model_path: str, weight_version: str, wait_s: float | None = None) -> bool:
+        """Bring a quarantined engine back: wait for it to answer (the caller restarted it), reload it from the
+        learner's latest Hugging Face export, let it generate, and rebuild the group with it.
+
+        Its weights are then the export's (``weight_version``); the next ``sync_weights`` brings it to the
+        current version. Returns False (and keeps it quarantined) when it does not come back in ``wait_s``.
+        """
+        url = url.rstrip("/")
+        if url not in {e.url for e in self.engines}:
+            raise ValueError(f"recover: {url} is not one of the sender's engines")
+        deadline = time.monotonic() + (wait_s or self.config.timeout_s)
+        while not self._alive([url])[url]:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        body = protocol.update_from_disk_body(model_path, weight_version, flush_cache=self.config.flush())
+        reply = self.http.call(url, protocol.UPDATE_FROM_DISK, body)
+        if not reply.ok:
+            self.quarantined[url] = f"recovery failed: {reply.describe()}"
+            return False
+        self.http.call(url, protocol.END, protocol.end_body())  # closes a session left open, if any
+        cont = self.http.call(url, protocol.CONTINUE, protocol.continue_body())
+        if not cont.ok:
+            self.quarantined[url] = f"recovery failed: {cont.describe()}"
+            return False
+        self.quarantined.pop(url, None)
+        self.connect()
+        return url not in self.quarantined
+
+    def close(self) -> None:
+        """Destroy the group on the engines and here; close HTTP. Engines are left generating."""
+        try:
+            self._teardown_group()
+        finally:
+            self.http.close()
+
+
+@dataclass
+class _SyncState:
+    ok: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    attempts: int = 0
+    bytes: int = 0
+    buckets: int = 0
+
+
+def _agree(flag: bool, model: nn.Module, process_group: dist.ProcessGroup | None) -> bool:
+    """Rank 0's decision, known to every learner rank (one int broadcast over the learner's group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
+        return flag
+    device = next(iter(model.parameters())).device
+    if dist.get_backend(process_group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    box = torch.tensor([int(flag)], dtype=torch.int32, device=device if device.type != "meta" else "cpu")
+    dist.broadcast(box, group=process_group, group_src=0)
+    return bool(box.item())
+
+
+def sync_weights(
+    model: nn.Module,
+    version: int,
+    sender: WeightSender | None,
+    process_group: dist.ProcessGroup | None = None,
+) -> SyncResult | None:
+    """Send ``model``'s current weights to every engine as ``weight_version = str(version)``.
+
+    Call on every learner rank (each takes part in the FSDP gathers); pass the ``WeightSender`` on rank 0 of
+    ``process_group`` (default: the learner's default group) and None elsewhere. Returns the ``SyncResult`` on
+    rank 0, None elsewhere. Never raises for an engine's failure: failed engines are in the result.
+    """
+    t0 = time.perf_counter()
+    state = _SyncState()
+    dtype = None
+    if sender is not None:
+        if dist.is_available() and dist.is_initialized() and dist.get_rank(process_group) != 0:
+            raise ValueError("sync_weights: the WeightSender must live on rank 0 of the learner's group")
+        sender.pause_started = sender.pause_ended = None
+        send_dtype = sender.config.send_dtype
+        dtype = None if send_dtype == "auto" else getattr(torch, send_dtype)
+    while True:
+        attempt = sender.start_attempt(version) if sender is not None else None
+        try:
+            for name, tensor in iter_full_tensors(model, dtype):
+                if attempt is not None:
+                    attempt.add(name, tensor)
+        finally:
+            again = sender.finish_attempt(attempt, state) if sender is not None else False
+        if not _agree(again, model, process_group):
+            break
+    if sender is None:
+        return None
+    sender.syncs += 1
+    start, end = sender.pause_started, sender.pause_ended or time.perf_counter()
+    paused = 0.0 if start is None else end - start
+    return SyncResult(
+        version=version,
+        engines_ok=state.ok,
+        engines_failed=state.failed,
+        seconds=time.perf_counter() - t0,
+        paused_seconds=paused,
+        bytes=state.bytes,
+        buckets=state.buckets,
+        attempts=state.attempts,
+        quarantined=dict(sender.quarantined),
+    )
