@@ -637,6 +637,10 @@ async def test_zero_new_tokens_and_prompt_logprobs_only(srv: ServerThread, hf, h
         lp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1)
     expected = [lp[i - 1, prompt[i]].item() for i in range(3, len(prompt))]
     assert torch.allclose(torch.tensor([t[0] for t in inputs[1:]]), torch.tensor(expected), atol=1e-4)
+    last = await generate(http, srv, {**body, "logprob_start_len": len(prompt) - 1})
+    assert last["meta_info"]["input_token_logprobs"] == [[None, prompt[-1], None]]
+    end = await generate(http, srv, {**body, "logprob_start_len": len(prompt)})
+    assert end["meta_info"]["input_token_logprobs"] == []
 
 
 @pytest.mark.gpu

@@ -314,11 +314,11 @@ class Scheduler:
         rows = list(range(len(self.running), len(self.running) + len(batch)))
         logits = self.runner.prefill(rows, seqs, positions)
         for req, row, seq, lg in zip(batch, rows, seqs, logits, strict=True):
+            if self._wants_input_logprobs(req, len(seq)):
+                req.input_logprobs = self._input_logprobs(req, seq, lg[:-1])
             req.row, req.kv_len = row, len(seq)
             req.prefill_count += 1
             self.running.append(req)
-            if len(lg) > 1:
-                req.input_logprobs = self._input_logprobs(req, seq, lg[:-1])
         self._batch = None
         self.stats.prefill_batches += 1
         self.stats.prefill_tokens_computed += sum(len(s) for s in seqs)
@@ -334,12 +334,16 @@ class Scheduler:
             self._sample_and_advance(sampling, last, self._make_batch(sampling))
 
     @staticmethod
-    def _logit_positions(req: Request, length: int) -> list[int]:
-        """Positions whose logits the prefill returns: the last one, plus the prompt's from logprob_start_len on
-        the first prefill when input log-probs are asked for (SGLang computes them once)."""
+    def _wants_input_logprobs(req: Request, length: int) -> bool:
+        """Input log-probs are computed on the first prefill only (SGLang computes them once)."""
         start = req.item.logprob_start_len
-        if req.item.return_logprob and start >= 0 and req.prefill_count == 0 and start < length - 1:
-            return list(range(start, length))
+        return req.item.return_logprob and req.prefill_count == 0 and 0 <= start < length
+
+    def _logit_positions(self, req: Request, length: int) -> list[int]:
+        """Positions whose logits the prefill returns: from logprob_start_len on when input log-probs are
+        wanted (the last one also samples the next token), else only the last."""
+        if self._wants_input_logprobs(req, length):
+            return list(range(req.item.logprob_start_len, length))
         return [length - 1]
 
     def _input_logprobs(self, req: Request, seq: list[int], logits: torch.Tensor) -> list[float | None]:
