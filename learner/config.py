@@ -94,3 +94,23 @@ class LearnerConfig(Section):
     advantage: AdvantageConfig = Field(
         default_factory=AdvantageConfig, description="Advantage estimator and dynamic sampling."
     )
+    max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps; 0 runs until stopped.")
+    publish_every: int = Field(1, ge=1, description="Publish (sync) weights every k optimizer steps.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps, then constant.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    keep_checkpoints: int = Field(3, ge=1, description="How many complete checkpoints to keep.")
+    export_hf: bool = Field(
+        True, description="Write a Hugging Face export of the policy at every checkpoint."
+    )
+    activation_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+    consumer_name: str = Field(
+        "learner-0", description="Stable consumer name; a restart gets its entries back."
+    )
+    pg_timeout_s: float = Field(300.0, gt=0, description="Timeout of the learner's own collectives, seconds.")
+    grace_s: float = Field(
+        30.0, gt=0, description="SIGTERM grace: finish the step, checkpoint, exit within it."
+    )
+    wandb_mode: str = Field("offline", description="wandb mode: offline (default), online or disabled.")
+    seed: int = Field(0, description="Seed of the learner's RNGs.")

@@ -1,0 +1,173 @@
+"""Rank 0's intake: read prompt groups from the stream, filter them, and assemble one step's batch.
+
+Every delivery ends in exactly one ledger line: ``trained`` when it goes into the step, or
+``dropped:<reason>`` (stale, reward error, zero signal, duplicate), written to the durable dropped stream and
+handing its admission capacity back. The ledger lines of a checkpoint window are acknowledged only after the
+checkpoint that contains them is durable (``learner.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from broker.consumer import Consumer, Delivery
+from broker.record import TrajectoryGroup
+from broker.staleness import CounterError, StalenessManager, check_staleness
+from learner.advantages import compute_advantages, zero_signal_groups
+from learner.checkpoint import LedgerEntry
+from learner.config import LearnerConfig
+
+
+class NotReady(Exception):
+    """No full batch within the wait slice; what was collected is kept for the next call."""
+
+
+@dataclass
+class StepBatch:
+    """The groups of one optimizer step and the bookkeeping that goes with them."""
+
+    deliveries: list[Delivery]
+    learner_version: int
+    wait_s: float = 0.0
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> groups dropped while collecting
+
+    @property
+    def groups(self) -> list[TrajectoryGroup]:
+        return [d.group for d in self.deliveries]
+
+
+def drop_reason(group: TrajectoryGroup, learner_version: int, eta: int, drop_zero_signal: bool) -> str | None:
+    """Why a group must not be trained on at ``learner_version``, or None to keep it."""
+    statuses = {s.reward_status for s in group.samples}
+    if "timeout" in statuses:
+        return "reward_timeout"
+    if "error" in statuses:
+        return "reward_error"
+    decision = check_staleness(learner_version, eta, group.min_version())
+    if not decision.keep:
+        return decision.reason
+    if drop_zero_signal and len(group.samples) > 1:
+        rewards = torch.tensor([[s.reward for s in group.samples]], dtype=torch.float64)
+        if bool(zero_signal_groups(rewards)[0]):
+            return "zero_signal"
+    return None
+
+
+class Intake:
+    """Collects ``groups_per_step`` trainable groups per step; runs on rank 0's event loop."""
+
+    def __init__(
+        self,
+        consumer: Consumer,
+        admission: StalenessManager,
+        config: LearnerConfig,
+        eta: int,
+        should_stop: Callable[[], bool],
+    ) -> None:
+        self.consumer = consumer
+        self.admission = admission
+        self.config = config
+        self.eta = eta
+        self.should_stop = should_stop
+        self.ledger: list[LedgerEntry] = []  # since the last checkpoint
+        self.contained: set[str] = (
+            set()
+        )  # group ids of the restored checkpoint window (already in the weights)
+        self.totals: dict[str, int] = {}
+        self._partial: StepBatch | None = None  # collected so far when next_batch ran out of time
+        self._carry: list[Delivery] = []  # fetched beyond a full step: first in line for the next one
+        self._last_claim = 0.0
+
+    async def next_batch(self, learner_version: int, max_wait_s: float) -> StepBatch | None:
+        """A full step's batch, or None when a stop was requested. Waits at most ``max_wait_s``, then raises
+        NotReady keeping what it collected, so the caller can keep its ranks' collectives alive and retry."""
+        batch = self._partial or StepBatch(deliveries=[], learner_version=learner_version)
+        self._partial = None
+        started = time.monotonic()
+        while len(batch.deliveries) < self.config.groups_per_step:
+            if self.should_stop():
+                self._return_unused(batch)
+                return None
+            if time.monotonic() - started > max_wait_s:
+                batch.wait_s += time.monotonic() - started
+                self._partial = batch
+                raise NotReady
+            wanted = self.config.groups_per_step - len(batch.deliveries)
+            fetched, self._carry = self._carry or await self._fetch(wanted), []
+            for delivery in fetched:
+                await self._admit(delivery, batch)
+        batch.wait_s += time.monotonic() - started
+        return batch
+
+    async def _fetch(self, wanted: int) -> list[Delivery]:
+        now = time.monotonic()
+        if now - self._last_claim > self.consumer.config.claim_idle_ms / 2000:
+            self._last_claim = now
+            claimed = await self.consumer.claim_stale()
+            if claimed:
+                return claimed
+        return await self.consumer.read(count=wanted, block_ms=self.consumer.config.block_ms)
+
+    async def _admit(self, delivery: Delivery, batch: StepBatch) -> None:
+        group = delivery.group
+        if group.group_id in self.contained:
+            # Trained (or dropped) before the crash and inside the restored weights: acknowledge, never retrain.
+            self._record(delivery, "dropped:already_contained")
+            return
+        if len(batch.deliveries) >= self.config.groups_per_step:
+            self._carry.append(delivery)
+            return
+        reason = drop_reason(group, batch.learner_version, self.eta, self.config.advantage.drop_zero_signal)
+        if reason is None:
+            batch.deliveries.append(delivery)
+            self._record(delivery, "trained")
+            return
+        await self.consumer.drop(delivery, reason)
+        try:
+            await self.admission.on_drop(1)
+        except CounterError:
+            # Produced outside admission control (a test producer, an import): no capacity to give back.
+            self.totals["drop_without_admission"] = self.totals.get("drop_without_admission", 0) + 1
+        batch.dropped[reason] = batch.dropped.get(reason, 0) + 1
+        self._record(delivery, f"dropped:{reason}")
+
+    def _record(self, delivery: Delivery, outcome: str) -> None:
+        self.ledger.append(LedgerEntry(delivery.entry_id, delivery.group.group_id, outcome))
+        key = outcome.split(":", 1)[-1] if outcome != "trained" else "trained"
+        self.totals[key] = self.totals.get(key, 0) + 1
+
+    def _return_unused(self, batch: StepBatch) -> None:
+        """A stop while collecting: groups already taken stay pending (unacknowledged) and are re-read after a
+        restart, so their ledger lines are withdrawn."""
+        unused = {d.entry_id for d in batch.deliveries}
+        self.ledger = [e for e in self.ledger if e.entry_id not in unused]
+        self.totals["trained"] = self.totals.get("trained", 0) - len(unused)
+
+    async def acknowledge(self, entries: list[LedgerEntry]) -> int:
+        """Acknowledge a durable checkpoint's ledger and trim the stream below the oldest pending entry."""
+        done = await self.consumer.ack([e.entry_id for e in entries])
+        await self.consumer.trim()
+        return done
+
+
+def rewards_tensor(groups: list[TrajectoryGroup]) -> list[torch.Tensor]:
+    """Per-group reward vectors [N_g] (groups may differ in size)."""
+    return [torch.tensor([s.reward for s in g.samples], dtype=torch.float32) for g in groups]
+
+
+def group_advantages(groups: list[TrajectoryGroup], config: LearnerConfig) -> list[torch.Tensor]:
+    """Advantages per group; groups of equal size are computed together, as the estimators take [G, N]."""
+    out: list[torch.Tensor] = []
+    for rewards in rewards_tensor(groups):
+        out.append(compute_advantages(rewards[None, :], config.advantage)[0])
+    return out
+
+
+def run_coroutine(loop: asyncio.AbstractEventLoop, coro, timeout_s: float | None = None):  # noqa: ANN001, ANN201
+    """Run ``coro`` on rank 0's background loop from the training thread and wait for its result."""
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)

@@ -1,0 +1,107 @@
+"""``streamrl learner`` / ``python -m learner``: run W learner ranks (spawned here, or under torchrun)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from broker.config import BrokerConfig, SharedConfig
+from broker.configlib import ConfigError, Section, dump_config, load_config, render_help
+from broker.discovery import resolve_redis_url
+from learner.config import LearnerConfig
+from learner.distributed import free_port, init_distributed
+from weight_sync.config import WeightSyncConfig
+
+log = logging.getLogger("streamrl.learner")
+
+
+class LearnerRoleConfig(Section):
+    """The sections the learner reads."""
+
+    shared: SharedConfig = SharedConfig()
+    broker: BrokerConfig = BrokerConfig()
+    learner: LearnerConfig = LearnerConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
+
+
+def run_rank(cfg: LearnerRoleConfig) -> int:
+    """The body of one rank (RANK / WORLD_SIZE / MASTER_* from the environment)."""
+    from learner.publish import VersionOnlyPublisher
+    from learner.trainer import Learner
+
+    info = init_distributed(cfg.learner.pg_timeout_s, cfg.shared.torch_threads)
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s learner[{info.rank}] %(levelname)s: %(message)s"
+    )
+    url = resolve_redis_url(cfg.shared, wait_s=30)
+    learner = Learner(cfg.shared, cfg.broker, cfg.learner, info, VersionOnlyPublisher(), url)
+    learner.install_signal_handlers()
+    code = learner.run()
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return code
+
+
+def spawn_ranks(cfg: LearnerRoleConfig, argv: list[str]) -> int:
+    """Start ``world_size`` rank processes and supervise them: SIGTERM is forwarded, one failure stops all."""
+    port = free_port()
+    world = cfg.learner.world_size
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, "-m", "learner", *argv], env=env))
+
+    def forward(signum: int, _frame: object) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return max(abs(c) for c in codes)  # type: ignore[arg-type]
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            log.error("learner rank %d exited with code %s: stopping the other ranks", rank, code)
+            forward(signal.SIGTERM, None)
+            deadline = time.monotonic() + cfg.learner.grace_s
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            return 1
+        time.sleep(0.2)
+
+
+def run_learner(cfg: LearnerRoleConfig) -> int:
+    """Run as one rank under torchrun (RANK set), else spawn the ranks with the resolved config file."""
+    if "RANK" in os.environ:
+        return run_rank(cfg)
+    if cfg.shared.model_path is None:
+        raise ConfigError("shared.model_path is not set: the learner needs a Hugging Face model directory")
+    path = cfg.shared.run_dir / "config.learner.toml"
+    dump_config(cfg, path)
+    return spawn_ranks(cfg, ["--config", str(path)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print("usage: python -m learner [--config FILE] [--section.field=value ...]\n")
+        print(render_help(LearnerRoleConfig))
+        return 0
+    try:
+        return run_learner(load_config(LearnerRoleConfig, args))
+    except ConfigError as exc:
+        print(f"learner: {exc}", file=sys.stderr)
+        return 2

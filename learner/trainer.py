@@ -1,0 +1,394 @@
+"""The learner's main loop, run by every rank: intake (rank 0) -> plan -> train step -> publish -> checkpoint.
+
+Rank 0 owns everything that touches Redis, on an asyncio loop in a background thread; the training thread
+calls into it with :func:`learner.intake.run_coroutine`. Each step rank 0 scatters every rank its own
+micro-batches (token-balanced, equal counts), plus the control decisions (stop, checkpoint now), so all ranks
+always agree on what happens next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from broker.client import connect
+from broker.config import BrokerConfig, SharedConfig
+from broker.consumer import Consumer
+from broker.metrics import MetricsWriter
+from broker.record import TrajectoryGroup
+from broker.staleness import RedisCounters, StalenessManager, staleness_stats
+from broker.version import PolicyVersion
+from learner.checkpoint import CheckpointManager, CheckpointMeta, LedgerEntry, export_hf
+from learner.config import LearnerConfig
+from learner.distributed import DistInfo, shard_model
+from learner.intake import Intake, NotReady, StepBatch, group_advantages, run_coroutine
+from learner.packing import MicroBatch, TrainSequence, plan_step, rank_micro_batches, step_loss_units
+from learner.step import train_step
+
+log = logging.getLogger("streamrl.learner")
+
+
+class Publisher(Protocol):
+    """Makes new weights visible: every rank calls ``publish``; it returns metrics (rank 0's are used)."""
+
+    def publish(self, model: nn.Module, version: int, initial: bool) -> dict[str, float]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class StepPayload:
+    """What rank 0 scatters to each rank before a step."""
+
+    stop: bool
+    idle: bool = False  # no batch yet: the ranks just loop (keeps collectives inside their timeout)
+    micro_batches: list[MicroBatch] = field(default_factory=list)
+    temperatures: list[torch.Tensor] = field(default_factory=list)
+    normaliser: float = 1.0
+    learner_version: int = 0
+    checkpoint: bool = False
+
+
+def build_sequences(
+    groups: list[TrajectoryGroup], config: LearnerConfig
+) -> tuple[list[TrainSequence], list[float]]:
+    """One TrainSequence per sample, with its group-relative advantage; temperatures per sequence."""
+    seqs: list[TrainSequence] = []
+    temps: list[float] = []
+    for group, advantages in zip(groups, group_advantages(groups, config), strict=True):
+        for sample, adv in zip(group.samples, advantages.tolist(), strict=True):
+            mask = sample.loss_mask.astype("float32")
+            if config.loss.mask_truncated and sample.truncated:
+                mask = mask * 0
+            seqs.append(
+                TrainSequence(
+                    prompt_ids=torch.from_numpy(group.prompt_ids.astype("int64")),
+                    output_ids=torch.from_numpy(sample.output_ids.astype("int64")),
+                    logprobs=torch.from_numpy(sample.logprobs.copy()),
+                    versions=torch.from_numpy(sample.versions.astype("int64")),
+                    loss_mask=torch.from_numpy(mask),
+                    advantages=float(adv),
+                    index=len(seqs),
+                )
+            )
+            temps.append(sample.temperature if sample.temperature > 1e-6 else 1.0)
+    return seqs, temps
+
+
+def batch_metrics(batch: StepBatch, config: LearnerConfig) -> dict[str, float]:
+    """Reward, advantage and staleness statistics of a step's groups."""
+    groups = batch.groups
+    rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float64)
+    advs = torch.cat(group_advantages(groups, config)).double()
+    out: dict[str, float] = {
+        "reward_mean": float(rewards.mean()),
+        "advantage_mean": float(advs.mean()),
+        "advantage_std": float(advs.std()) if len(advs) > 1 else 0.0,
+        "samples": float(len(rewards)),
+        "output_tokens": float(sum(len(s.output_ids) for g in groups for s in g.samples)),
+        "truncated_fraction": float(
+            sum(s.truncated for g in groups for s in g.samples) / max(1, len(rewards))
+        ),
+    }
+    components: dict[str, list[float]] = {}
+    for g in groups:
+        for s in g.samples:
+            for name, value in s.reward_components.items():
+                components.setdefault(name, []).append(value)
+    out.update({f"reward/{k}": sum(v) / len(v) for k, v in components.items()})
+    stats = staleness_stats(batch.learner_version, [s.versions for g in groups for s in g.samples])
+    out.update(stats.as_metrics())
+    out.update({f"dropped/{k}": float(v) for k, v in batch.dropped.items()})
+    return out
+
+
+class Learner:
+    """One rank of the learner. Construct on every rank, then call :meth:`run`."""
+
+    def __init__(
+        self,
+        shared: SharedConfig,
+        broker: BrokerConfig,
+        config: LearnerConfig,
+        info: DistInfo,
+        publisher: Publisher,
+        redis_url: str,
+    ) -> None:
+        self.shared, self.broker_config, self.config, self.info = shared, broker, config, info
+        self.publisher = publisher
+        self.redis_url = redis_url
+        self.stop_requested = threading.Event()
+        self.step = 0
+        self.version = 0
+        self.skipped_steps = 0
+        self.checkpoints = CheckpointManager(
+            Path(shared.run_dir) / "checkpoints", keep_last=config.keep_checkpoints
+        )
+        self._last_checkpoint_time = time.monotonic()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wandb: Any = None
+        self.model, self.optimizer, self.scheduler = self._build_model()
+
+    # ----- setup -------------------------------------------------------------------------------------------
+
+    def _build_model(self) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+        from transformers import AutoModelForCausalLM
+
+        if self.shared.model_path is None:
+            raise ValueError("shared.model_path is not set: the learner needs a Hugging Face model directory")
+        torch.manual_seed(self.config.seed)
+        model = AutoModelForCausalLM.from_pretrained(self.shared.model_path, dtype=torch.float32)
+        model.to(self.info.device)
+        model = shard_model(model, self.info.device, self.config.activation_checkpointing)
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=self.config.lr,
+            betas=self.config.betas,
+            weight_decay=self.config.weight_decay,
+        )
+        warmup = self.config.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+        return model, optimizer, scheduler
+
+    def _start_redis_side(self) -> None:
+        """Rank 0: an event loop thread owning the Redis client, consumer, version, metrics and admission."""
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="learner-redis", daemon=True).start()
+
+        async def make() -> None:
+            client = connect(self.redis_url, self.broker_config)
+            self.client = client
+            self.consumer = Consumer(client, self.shared, self.broker_config, self.config.consumer_name)
+            await self.consumer.ensure_group()
+            self.policy_version = PolicyVersion(client, self.shared, self.broker_config)
+            self.metrics = MetricsWriter(client, self.shared, "learner")
+            admission = StalenessManager(
+                self.shared.eta, self.config.groups_per_step, 1 << 30, self._current_version,
+                RedisCounters(client, self.shared),
+            )  # fmt: skip
+            self.intake = Intake(
+                self.consumer, admission, self.config, self.shared.eta, self.stop_requested.is_set
+            )
+
+        self._call(make())
+
+    def _current_version(self) -> int:
+        return self.version
+
+    def _call(self, coro, timeout_s: float | None = None):  # noqa: ANN001, ANN202
+        assert self._loop is not None
+        return run_coroutine(self._loop, coro, timeout_s or self.config.pg_timeout_s)
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop_requested.set())
+
+    # ----- resume and publication --------------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        """Restore the latest checkpoint (if any), acknowledge what it contains, and publish a fresh version."""
+        latest = self.checkpoints.latest()
+        meta = None
+        if latest is not None:
+            meta = self.checkpoints.load(latest, self.model, self.optimizer)
+            self.step = meta.step
+            self.scheduler.load_state_dict(meta.scheduler)
+            log.info("resumed from %s (step %d, version %d)", latest, meta.step, meta.policy_version)
+        published = None
+        if self.info.is_main:
+            published = self._call(self.policy_version.get())
+            if meta is not None:
+                self.intake.contained = {e.group_id for e in meta.ledger}
+                done = self._call(self.intake.acknowledge(meta.ledger))
+                log.info("acknowledged %d entries contained in the restored checkpoint", done)
+        published = self._broadcast(published)
+        if published is None:
+            self.version = 0
+            self._publish(initial=True)
+        else:
+            # Versions are never reused: the restored weights get a fresh one, above every published version.
+            self.version = max(published, meta.policy_version if meta else 0) + 1
+            self._publish(initial=False)
+
+    def _publish(self, initial: bool) -> None:
+        started = time.monotonic()
+        metrics = self.publisher.publish(self.model, self.version, initial)
+        if self.info.is_main:
+            self._call(self.policy_version.publish(self.version)) if not initial else self._publish_initial()
+            metrics = {**metrics, "publish_seconds": time.monotonic() - started}
+            self._last_publish_metrics = metrics
+
+    def _publish_initial(self) -> None:
+        current = self._call(self.policy_version.get())
+        if current is None:
+            self._call(self.policy_version.publish(0))
+
+    def _broadcast(self, obj: Any) -> Any:
+        if self.info.world_size == 1:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    # ----- the loop -----------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        if self.info.is_main:
+            self._start_redis_side()
+            self._init_wandb()
+        self._last_publish_metrics: dict[str, float] = {}
+        self._resume()
+        while True:
+            payload = self._next_payload()
+            if payload.stop:
+                break
+            if payload.idle:
+                continue
+            self._train(payload)
+            if payload.checkpoint:
+                self._checkpoint()
+        self._checkpoint()
+        self.publisher.close()
+        if self.info.is_main and self._wandb is not None:
+            self._wandb.finish()
+        return 0
+
+    def _next_payload(self) -> StepPayload:
+        if not self.info.is_main:
+            return self._scatter(None)
+        done = self.config.max_steps and self.step >= self.config.max_steps
+        try:
+            wait_slice = min(30.0, self.config.pg_timeout_s / 4)
+            batch = None if done else self._call(self.intake.next_batch(self.version, wait_slice))
+        except NotReady:
+            return self._scatter([StepPayload(stop=False, idle=True)] * self.info.world_size)
+        if batch is None:
+            return self._scatter([StepPayload(stop=True)] * self.info.world_size)
+        self._batch = batch
+        self._batch_started = time.monotonic()
+        return self._scatter(self._payloads(batch))
+
+    def _payloads(self, batch: StepBatch) -> list[StepPayload]:
+        seqs, temps = build_sequences(batch.groups, self.config)
+        plan = plan_step([s.length for s in seqs], self.info.world_size, self.config.micro_batch_tokens)
+        normaliser = float(max(1, step_loss_units(seqs, self.config.loss.aggregation)))
+        due = self.step + 1
+        checkpoint = due % self.config.checkpoint_every == 0 or (
+            time.monotonic() - self._last_checkpoint_time > self.config.checkpoint_interval_s
+        )
+        payloads = []
+        for rank in range(self.info.world_size):
+            mbs = rank_micro_batches(seqs, plan, rank)
+            rank_temps = [
+                torch.tensor([temps[i] if i >= 0 else 1.0 for i in mb.seq_index.tolist()]) for mb in mbs
+            ]
+            payloads.append(
+                StepPayload(
+                    stop=False,
+                    micro_batches=mbs,
+                    temperatures=rank_temps,
+                    normaliser=normaliser,
+                    learner_version=batch.learner_version,
+                    checkpoint=checkpoint,
+                )  # fmt: skip
+            )
+        return payloads
+
+    def _scatter(self, payloads: list[StepPayload] | None) -> StepPayload:
+        if self.info.world_size == 1:
+            assert payloads is not None
+            return payloads[0]
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, payloads, src=0)
+        return out[0]
+
+    def _train(self, payload: StepPayload) -> None:
+        mbs = [mb.to(self.info.device) for mb in payload.micro_batches]
+        temps = [t.to(self.info.device) for t in payload.temperatures]
+        result = train_step(
+            self.model, self.optimizer, mbs, temps, self.config, payload.normaliser, payload.learner_version
+        )
+        if not result.applied:
+            self.skipped_steps += 1
+            log.warning("step skipped: non-finite loss or gradient (grad norm %s)", result.grad_norm)
+        else:
+            self.scheduler.step()
+            self.step += 1
+            if self.step % self.config.publish_every == 0:
+                self.version += 1
+                self._publish(initial=False)
+        if self.info.is_main:
+            self._log_step(result.metrics, result.applied)
+
+    def _log_step(self, train_metrics: dict[str, float], applied: bool) -> None:
+        batch = self._batch
+        wall = time.monotonic() - self._batch_started + batch.wait_s
+        metrics = {**train_metrics, **batch_metrics(batch, self.config), **self._last_publish_metrics}
+        tokens = sum(len(g.prompt_ids) * len(g.samples) + g.num_tokens() for g in batch.groups)
+        metrics.update(
+            step=float(self.step),
+            policy_version=float(self.version),
+            skipped_steps=float(self.skipped_steps),
+            step_applied=float(applied),
+            lr=float(self.scheduler.get_last_lr()[0]),
+            wait_seconds=batch.wait_s,
+            step_seconds=wall,
+            idle_ratio=batch.wait_s / wall if wall > 0 else 0.0,
+            trained_tokens_per_s=tokens / wall if wall > 0 else 0.0,
+            **{f"total/{k}": float(v) for k, v in self.intake.totals.items()},
+        )
+        self._last_publish_metrics = {}
+        self._call(self.metrics.write(metrics))
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=self.step)
+        log.info(
+            "step %d version %d reward %.3f loss %.4f staleness %.2f wait %.1fs",
+            self.step, self.version, metrics["reward_mean"], metrics["loss"], metrics.get("staleness/mean", 0.0),
+            batch.wait_s,
+        )  # fmt: skip
+
+    def _checkpoint(self) -> None:
+        ledger: list[LedgerEntry] = list(self.intake.ledger) if self.info.is_main else []
+        meta = CheckpointMeta(
+            step=self.step,
+            policy_version=self.version,
+            scheduler=self.scheduler.state_dict(),
+            ledger=ledger,
+            extra={"skipped_steps": self.skipped_steps},
+        )
+        path = self.checkpoints.save(self.model, self.optimizer, meta)
+        if self.config.export_hf:
+            export_hf(
+                self.model, Path(self.shared.model_path), Path(self.shared.run_dir) / "export" / "latest"
+            )
+        if self.info.is_main:
+            done = self._call(self.intake.acknowledge(ledger))
+            self.intake.ledger = self.intake.ledger[len(ledger) :]
+            log.info("checkpoint %s durable; acknowledged %d entries", path.name, done)
+        self._last_checkpoint_time = time.monotonic()
+
+    def _init_wandb(self) -> None:
+        if self.config.wandb_mode == "disabled":
+            return
+        try:
+            import wandb
+        except ImportError:
+            log.warning("wandb is not installed; metrics go to Redis only")
+            return
+        self._wandb = wandb.init(
+            project="streamrl",
+            name=self.shared.run_id,
+            dir=str(self.shared.run_dir),
+            mode=self.config.wandb_mode,
+            config={"learner": self.config.model_dump(mode="json"), "eta": self.shared.eta},
+        )
