@@ -42,6 +42,21 @@ def _run_redis(config: StreamRLConfig) -> int:
     return run_redis(config.shared, config.redis)
 
 
+def _run_engine(config: StreamRLConfig) -> int:
+    from rollout_fleet.engine.main import run_engine
+
+    return run_engine(config.shared, config.engine)
+
+
+def _run_learner(config: StreamRLConfig) -> int:
+    from learner.main import LearnerRoleConfig, run_learner
+
+    role = LearnerRoleConfig(
+        shared=config.shared, broker=config.broker, learner=config.learner, weight_sync=config.weight_sync
+    )
+    return run_learner(role)
+
+
 COMMANDS: dict[str, Command] = {
     "redis": Command("run the embedded Redis server until stopped", ("shared", "redis"), _run_redis),
     "engine": Command(
@@ -55,7 +70,7 @@ COMMANDS: dict[str, Command] = {
     "learner": Command(
         "train from the stream and publish weights",
         ("shared", "broker", "learner", "weight_sync"),
-        _not_yet(4, "learner"),
+        _run_learner,
     ),
     "dashboard": Command("serve the live dashboard", ("shared", "dashboard"), _not_yet(6, "dashboard")),
     "up": Command(
