@@ -115,7 +115,7 @@ class CheckpointManager:
 
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, meta: CheckpointMeta) -> Path:
         """Write a complete checkpoint, durable when this returns on every rank."""
-        name = f"step_{meta.step:08d}"
+        name = self._fresh_name(meta.step)
         final, tmp = self.root / name, self.root / f"{name}.tmp"
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -138,6 +138,16 @@ class CheckpointManager:
             self._prune()
         _barrier()
         return final
+
+    def _fresh_name(self, step: int) -> str:
+        """``step_<step>``, or ``step_<step>.<k>`` when a checkpoint of that step exists (a stop right after a
+        checkpoint, with new drops to record): never overwrite one, its ledger is part of the history."""
+        name = f"step_{step:08d}"
+        k = 0
+        while (self.root / name).exists():
+            k += 1
+            name = f"step_{step:08d}.{k}"
+        return name
 
     def _prune(self) -> None:
         done = sorted(p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))

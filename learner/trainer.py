@@ -135,6 +135,7 @@ class Learner:
             Path(shared.run_dir) / "checkpoints", keep_last=config.keep_checkpoints
         )
         self._last_checkpoint_time = time.monotonic()
+        self._checkpointed_step = self.step
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wandb: Any = None
         self.model, self.optimizer, self.scheduler = self._build_model()
@@ -201,7 +202,7 @@ class Learner:
         meta = None
         if latest is not None:
             meta = self.checkpoints.load(latest, self.model, self.optimizer)
-            self.step = meta.step
+            self.step = self._checkpointed_step = meta.step
             self.scheduler.load_state_dict(meta.scheduler)
             log.info("resumed from %s (step %d, version %d)", latest, meta.step, meta.policy_version)
         published = None
@@ -257,7 +258,7 @@ class Learner:
             self._train(payload)
             if payload.checkpoint:
                 self._checkpoint()
-        self._checkpoint()
+        self._checkpoint(final=True)
         self.publisher.close()
         if self.info.is_main and self._wandb is not None:
             self._wandb.finish()
@@ -357,8 +358,11 @@ class Learner:
             batch.wait_s,
         )  # fmt: skip
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, final: bool = False) -> None:
         ledger: list[LedgerEntry] = list(self.intake.ledger) if self.info.is_main else []
+        nothing_new = self._broadcast(not ledger and self.step == self._checkpointed_step)
+        if final and nothing_new:
+            return
         meta = CheckpointMeta(
             step=self.step,
             policy_version=self.version,
@@ -376,6 +380,7 @@ class Learner:
             self.intake.ledger = self.intake.ledger[len(ledger) :]
             log.info("checkpoint %s durable; acknowledged %d entries", path.name, done)
         self._last_checkpoint_time = time.monotonic()
+        self._checkpointed_step = self.step
 
     def _init_wandb(self) -> None:
         if self.config.wandb_mode == "disabled":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -32,14 +34,18 @@ def produce(url: str, groups: list) -> None:
     asyncio.run(go())
 
 
-def start_learner(tmp_path: Path, url: str, model_dir: Path, *extra: str) -> subprocess.Popen:
+def start_learner(
+    tmp_path: Path, url: str, model_dir: Path, *extra: str, new_session: bool = False
+) -> subprocess.Popen:
     args = [
         sys.executable, "-m", "learner", f"--shared.run_dir={tmp_path / 'run'}", f"--shared.redis_url={url}",
         f"--shared.model_path={model_dir}", "--shared.run_id=test", "--shared.eta=1",
         "--learner.world_size=2", "--learner.groups_per_step=4", "--learner.wandb_mode=disabled",
         "--learner.lr=1e-3", "--learner.micro_batch_tokens=64", *extra,
     ]  # fmt: skip
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=new_session
+    )
 
 
 def wait_version(
@@ -92,3 +98,45 @@ def test_learner_trains_filters_stale_and_acknowledges(tmp_path: Path, redis_url
     # the trainer's log-probs of the sampled tokens equal the behaviour log-probs at staleness 0
     assert first["mismatch_abs"] < 1e-4
     assert (tmp_path / "run" / "export" / "latest" / "model.safetensors").is_file()
+
+
+def _trained_ids(run_dir: Path) -> list[str]:
+    ledgers = [
+        json.loads((p / "meta.json").read_text())["ledger"]
+        for p in sorted((run_dir / "checkpoints").glob("step_*"))
+    ]
+    return [e["group_id"] for ledger in ledgers for e in ledger if e["outcome"] == "trained"]
+
+
+def test_sigterm_then_kill9_resume_trains_each_group_once(tmp_path: Path, redis_url: str) -> None:
+    model_dir = init_tiny_model(tmp_path / "model")
+    groups = sample_groups(str(model_dir), 16, 2, version=0, max_new_tokens=6)
+    produce(redis_url, groups)
+    keys = BrokerKeys.of(SharedConfig(run_id="test"), BrokerConfig())
+    client = redis.Redis.from_url(redis_url)
+    common = ("--shared.eta=100", "--learner.checkpoint_every=2", "--learner.keep_checkpoints=20")
+
+    # 1. SIGTERM after the first step: it finishes the step, checkpoints and exits 0
+    proc = start_learner(tmp_path, redis_url, model_dir, *common)
+    wait_version(client, keys.version, 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    after_term = _trained_ids(tmp_path / "run")
+    assert len(after_term) >= 4 and len(after_term) % 4 == 0
+
+    # 2. restart, then kill -9 every learner process after a step that no checkpoint contains yet
+    proc = start_learner(tmp_path, redis_url, model_dir, *common, new_session=True)
+    resumed_from = int(client.get(keys.version))
+    wait_version(client, keys.version, resumed_from + 2, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    killed_at = int(client.get(keys.version))
+
+    # 3. restart and finish: every group trained exactly once over all checkpoints, versions never reused
+    proc = start_learner(tmp_path, redis_url, model_dir, *common, "--learner.max_steps=4")
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert sorted(_trained_ids(tmp_path / "run")) == sorted(g.group_id for g in groups)
+    assert int(client.get(keys.version)) > killed_at
+    assert client.xpending(keys.stream, "learner")["pending"] == 0
