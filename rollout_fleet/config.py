@@ -61,7 +61,9 @@ class EngineConfig(Section):
     )
     # -- fleet: how rollout_fleet.fleet.Fleet launches and keeps engines (builtin or sglang) ---------------
     tp_size: int = Field(
-        1, ge=1, description="SGLang tensor parallelism per engine (--tp-size); its ranks in the weight group."
+        1,
+        ge=1,
+        description="SGLang tensor parallelism per engine (--tp-size); its ranks in the weight group.",
     )
     mem_fraction_static: float = Field(
         0.8, gt=0, lt=1, description="SGLang --mem-fraction-static: GPU memory for weights and KV cache."
@@ -81,7 +83,9 @@ class RolloutConfig(Section):
     """Rollout workers: prompts in, one trajectory record per prompt group out."""
 
     workers: int = Field(
-        1, ge=1, description="Number of rollout worker processes (streamrl up starts this many; each runs one)."
+        1,
+        ge=1,
+        description="Number of rollout worker processes (streamrl up starts this many; each runs one).",
     )
     group_size: int = Field(8, ge=1, description="Samples per prompt (the GRPO group).")
     worker_id: str | None = Field(
@@ -93,7 +97,9 @@ class RolloutConfig(Section):
         None, description="Tokenizer directory; unset uses engine.model_path, else shared.model_path."
     )
     max_concurrent_groups: int = Field(
-        32, ge=1, description="Prompt groups this worker has in flight at most (each sends group_size requests)."
+        32,
+        ge=1,
+        description="Prompt groups this worker has in flight at most (each sends group_size requests).",
     )
     max_new_tokens: int = Field(256, ge=1, description="Output token budget of each sample.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (below 1e-6 is greedy).")
@@ -110,30 +116,45 @@ class RolloutConfig(Section):
         description="Engines to route to and register; empty: engine.count engines at engine.host:base_port+i.",
     )
     launch_engines: bool = Field(
-        False, description="Launch engine.count engines (engine.kind) from this process and stop them on exit."
+        False,
+        description="Launch engine.count engines (engine.kind) from this process and stop them on exit.",
     )
     request_timeout_s: float = Field(
         3600.0, gt=0, description="Timeout of one /generate call (long outputs take long), seconds."
     )
     max_request_failures: int = Field(
-        5, ge=0, description="Engine failures or invalid answers one sample may meet before its group is given up."
+        5,
+        ge=0,
+        description="Engine failures or invalid answers one sample may meet before its group is given up.",
     )
     no_engine_timeout_s: float = Field(
-        300.0, gt=0, description="How long a request waits for a healthy engine before its group is handed back."
+        300.0,
+        gt=0,
+        description="How long a request waits for a healthy engine before its group is handed back.",
     )
     health_interval_s: float = Field(
         2.0, gt=0, description="Period of the engine liveness probe (GET /model_info) and registry refresh."
     )
     lease_ttl_s: float = Field(
-        60.0, gt=0, description="Prompt lease expiry; the holder renews every third of it, a dead one's expire."
+        60.0,
+        gt=0,
+        description="Prompt lease expiry; the holder renews every third of it, a dead one's expire.",
     )
-    shuffle_seed: int = Field(0, ge=0, description="Seed of the per-epoch prompt order (the same for every worker).")
-    max_epochs: int = Field(0, ge=0, description="Epochs of prompts to produce, then exit; 0 runs until stopped.")
+    shuffle_seed: int = Field(
+        0, ge=0, description="Seed of the per-epoch prompt order (the same for every worker)."
+    )
+    max_epochs: int = Field(
+        0, ge=0, description="Epochs of prompts to produce, then exit; 0 runs until stopped."
+    )
     drain_timeout_s: float = Field(
-        30.0, ge=0, description="On SIGTERM, how long in-flight groups may take to finish before they are handed back."
+        30.0,
+        ge=0,
+        description="On SIGTERM, how long in-flight groups may take to finish before they are handed back.",
     )
     admission_poll_s: float = Field(
-        0.2, gt=0, description="How often a worker without admission capacity checks again (also woken by versions)."
+        0.2,
+        gt=0,
+        description="How often a worker without admission capacity checks again (also woken by versions).",
     )
     version_poll_s: float = Field(
         1.0, gt=0, description="Longest wait for a policy-version announcement before the version is re-read."
