@@ -13,12 +13,58 @@ from learner.config import LearnerConfig
 from rollout_fleet.config import EngineConfig, RolloutConfig
 from weight_sync.config import WeightSyncConfig
 
+# Offsets from dashboard.metrics_base_port of the Prometheus endpoints of roles without an HTTP server of their
+# own; rollout worker i serves at base + METRICS_PORT_OFFSETS["rollout"] + i.
+METRICS_PORT_OFFSETS = {"learner": 0, "eval": 1, "redis": 2, "rollout": 10}
+
 
 class DashboardConfig(Section):
-    """The live web dashboard (read-only)."""
+    """The live web dashboard (read-only) and the Prometheus endpoints of roles without an HTTP server."""
 
     host: str = Field("127.0.0.1", description="Address to bind; binding beyond loopback must be explicit.")
     port: int = Field(8265, ge=0, le=65535, description="HTTP port of the dashboard.")
+    refresh_s: float = Field(
+        1.5,
+        ge=0.2,
+        le=60,
+        description="How often the page polls the JSON API (and samples the broker), seconds.",
+    )
+    history_points: int = Field(
+        2000, ge=10, le=100_000, description="Points per role (and broker samples) the page loads and keeps."
+    )
+    engine_urls: list[str] = Field(
+        default_factory=list,
+        description="Engine base URLs to show and probe besides those in the engine registry.",
+    )
+    probe_engines: bool = Field(
+        True, description="Ask each engine for its weight version and load (GET /model_info, /v1/loads)."
+    )
+    probe_timeout_s: float = Field(1.0, gt=0, description="Timeout of one engine probe, seconds.")
+    api_timeout_s: float = Field(
+        10.0, gt=0, description="An API call whose Redis reads take longer answers 503, seconds."
+    )
+    redis_wait_s: float = Field(
+        60.0, ge=0, description="How long to wait for the embedded Redis to write its URL at start, seconds."
+    )
+    metrics_host: str = Field(
+        "127.0.0.1", description="Address of the Prometheus endpoints of roles without an HTTP server."
+    )
+    metrics_base_port: int = Field(
+        9400,
+        ge=0,
+        le=65000,
+        description="First Prometheus port (learner +0, eval +1, redis +2, rollout worker i +10+i); 0 disables.",
+    )
+
+    def metrics_port(self, role: str, index: int = 0) -> int | None:
+        """The Prometheus port of ``role`` (worker ``index`` for rollout), or None when disabled."""
+        if role not in METRICS_PORT_OFFSETS:
+            raise ValueError(f"role = {role!r}: no metrics port (known: {sorted(METRICS_PORT_OFFSETS)})")
+        if index < 0 or (index > 0 and role != "rollout"):
+            raise ValueError(f"index = {index} for role {role!r}: only rollout workers have an index above 0")
+        if self.metrics_base_port == 0:
+            return None
+        return self.metrics_base_port + METRICS_PORT_OFFSETS[role] + index
 
 
 class StreamRLConfig(Section):

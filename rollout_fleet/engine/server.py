@@ -33,6 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
+from broker.prometheus import metrics_route
 from rollout_fleet.engine import protocol
 from rollout_fleet.engine.core import Engine
 from rollout_fleet.engine.protocol import (
@@ -181,9 +182,22 @@ class EngineServer:
         add("POST", "/update_weight_version", self.update_weight_version)
         for method in ("GET", "POST"):
             add(method, "/flush_cache", self.flush_cache)
+        add("GET", "/metrics", metrics_route("engine", self.metrics_values))
         for extend in extensions:
             extend(app, self)
         return app
+
+    def metrics_values(self) -> dict[str, Any]:
+        """Numbers for Prometheus ``/metrics``: scheduler counters (generated and prefill tokens, steps,
+        aborts...), the current load (running / waiting requests), pause state and the weight version."""
+        version = self.engine.weight_version
+        return {
+            **self.engine.stats(),
+            **self.engine.scheduler.loads(),
+            "paused": self.is_paused,
+            "http_requests_in_flight": len(self.live_rids),
+            "weight_version": int(version) if version.lstrip("-").isdigit() else version,
+        }
 
     # -- helpers ----------------------------------------------------------------------------------------------
 

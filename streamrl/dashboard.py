@@ -1,0 +1,528 @@
+"""``streamrl dashboard``: a read-only web page over the run's metrics in Redis, and the JSON API it polls.
+
+Everything shown comes from Redis, namespaced by ``shared.run_id``:
+
+- the per-role metrics streams ``metrics:<role>`` (:class:`broker.metrics.MetricsWriter`: learner, rollout,
+  eval, ... - any role that writes one appears, none is required);
+- the broker counters, backlog and consumer-group lag / pending (:class:`broker.metrics.BrokerMetrics`), which
+  have no history in Redis: the server samples them every ``refresh_s`` into a ring of ``history_points``,
+  served as the pseudo-role ``broker`` (so ``broker`` is reserved as a metrics role name);
+- the policy version (:class:`broker.version.PolicyVersion`);
+- the engine registry (the hash ``engines``: engine id -> JSON, layout in docs/rollout.md), read without
+  importing the fleet, tolerating entries it cannot parse; each engine (and each URL in
+  ``dashboard.engine_urls``) is probed with ``GET /model_info`` and ``GET /v1/loads`` - the same on SGLang
+  and on the built-in engine - from the sampling loop, so open tabs do not multiply the load on engines.
+
+JSON API (GET only; non-finite numbers are sent as null, since JSON has none):
+
+- ``/api/summary``: run id, policy version, the latest point of every role with its age, the broker snapshot,
+  the engines, the page settings;
+- ``/api/series?role=R&since=ID&limit=N``: points of role R newer than entry id ID (exclusive), oldest first,
+  at most N (``more`` says whether more wait); without ``since``, the newest N. Each point is
+  ``{"id", "values"}`` with the values exactly as the writer stored them;
+- ``/metrics``: the same numbers in Prometheus' text format (role ``dashboard``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import re
+import signal
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from broker.client import connect
+from broker.config import BrokerConfig, SharedConfig
+from broker.discovery import RedisNotFound, resolve_redis_url
+from broker.metrics import BrokerMetrics, MetricsReader
+from broker.prometheus import metrics_route
+from broker.version import PolicyVersion
+from streamrl.config import DashboardConfig, StreamRLConfig
+
+log = logging.getLogger("streamrl.dashboard")
+
+STATIC_DIR = Path(__file__).parent / "static"
+BROKER_ROLE = "broker"  # pseudo-role: the server's samples of the broker snapshot
+REGISTRY_NAME = "engines"  # the engine registry hash (rollout_fleet.registry, docs/rollout.md)
+ROLES_CACHE_S = 5.0
+_ROLE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_STREAM_ID = re.compile(r"^\d+(-\d+)?$")
+STATE_KEY: web.AppKey[DashboardState] = web.AppKey("dashboard_state")
+
+
+class BadRequest(ValueError):
+    """A query parameter the API refuses; the message names it and its value."""
+
+
+def clean(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None, recursively (JSON has no NaN or Infinity)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean(v) for v in value]
+    return value
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+def broker_sample(snapshot: Mapping[str, Any], consumer_group: str) -> dict[str, float]:
+    """The numbers of one broker snapshot that the page charts: backlog, lag and pending of the learner's
+    consumer group, stream lengths and the main counters."""
+    group = snapshot.get("groups", {}).get(consumer_group, {})
+    counters = snapshot.get("counters", {})
+    out: dict[str, float] = {
+        "ts": float(snapshot.get("ts", time.time())),
+        "backlog": float(snapshot.get("backlog", 0)),
+        "max_backlog": float(snapshot.get("max_backlog", 0)),
+        "stream_length": float(snapshot.get("stream_length", 0)),
+        "dead_letter_length": float(snapshot.get("dead_letter_length", 0)),
+        "dropped_length": float(snapshot.get("dropped_length", 0)),
+        "pending": float(group.get("pending") or 0),
+        "lag": float(group.get("lag") or 0),
+        "consumers": float(group.get("consumers") or 0),
+    }
+    for name, value in counters.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[f"counters/{name}"] = float(value)
+    return out
+
+
+@dataclass
+class EngineView:
+    """One engine as the page shows it: the registry's entry (if any) and what the last probe saw."""
+
+    url: str
+    engine_id: str
+    registry: dict[str, Any] | None = None
+    reachable: bool | None = None  # None: not probed (yet, or probing is off)
+    weight_version: str | None = None
+    loads: dict[str, Any] | None = None
+    probe_error: str = ""
+    probed_at: float | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        reg = self.registry or {}
+        loads = self.loads or {}
+        return {
+            "engine_id": self.engine_id,
+            "url": self.url,
+            "health": reg.get("health"),
+            "registry_weight_version": reg.get("weight_version"),
+            "ranks": reg.get("ranks"),
+            "kind": reg.get("kind"),
+            "last_seen": reg.get("last_seen"),
+            "registry_error": reg.get("error") or "",
+            "reachable": self.reachable,
+            "weight_version": self.weight_version,
+            "running": loads.get("num_running_reqs"),
+            "waiting": loads.get("num_waiting_reqs"),
+            "gen_throughput": loads.get("gen_throughput"),
+            "token_usage": loads.get("token_usage"),
+            "probe_error": self.probe_error,
+            "probed_at": self.probed_at,
+            "in_registry": self.registry is not None,
+        }
+
+
+def _engine_id(url: str) -> str:
+    return re.sub(r"^[a-z]+://", "", url).rstrip("/")
+
+
+class DashboardState:
+    """Reads Redis for the API and keeps the broker samples and engine probes between polls."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        shared: SharedConfig,
+        dashboard: DashboardConfig,
+        broker: BrokerConfig,
+    ) -> None:
+        self.client = client
+        self.shared = shared
+        self.config = dashboard
+        self.broker_config = broker
+        self.reader = MetricsReader(client, shared)
+        self.broker_metrics = BrokerMetrics(client, shared, broker)
+        self.version = PolicyVersion(client, shared, broker)
+        self.broker_history: deque[tuple[int, dict[str, float]]] = deque(maxlen=dashboard.history_points)
+        self.broker_latest: dict[str, Any] | None = None
+        self.broker_error = ""
+        self.engines: dict[str, EngineView] = {}
+        self._sample_seq = 0
+        self._roles: tuple[float, list[str]] = (0.0, [])
+        self._http: aiohttp.ClientSession | None = None
+
+    # -- sampling (one loop per server) ---------------------------------------------------------------------
+
+    async def sample_broker(self) -> None:
+        """Take one broker snapshot into the history ring (errors are kept for the page, not raised)."""
+        try:
+            snap = await self.broker_metrics.snapshot()
+        except (aioredis.RedisError, OSError) as exc:
+            self.broker_error = f"{type(exc).__name__}: {exc}"
+            return
+        self.broker_error = ""
+        self.broker_latest = snap
+        self._sample_seq += 1
+        self.broker_history.append((self._sample_seq, broker_sample(snap, self.broker_config.consumer_group)))
+
+    async def read_registry(self) -> list[dict[str, Any]]:
+        """The registry's entries as dicts; an entry that is not a JSON object becomes ``{"error": ...}``."""
+        raw = await self.client.hgetall(self.shared.key(REGISTRY_NAME))
+        out = []
+        for field, value in sorted(raw.items()):
+            engine_id = _text(field)
+            try:
+                entry = json.loads(value)
+                if not isinstance(entry, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as exc:
+                entry = {"error": f"unreadable registry entry: {exc}"}
+            entry.setdefault("engine_id", engine_id)
+            out.append(entry)
+        return out
+
+    async def refresh_engines(self) -> None:
+        """Merge the registry and the configured URLs, then probe each engine (concurrently)."""
+        try:
+            entries = await self.read_registry()
+        except (aioredis.RedisError, OSError) as exc:
+            log.debug("engine registry unreadable: %s", exc)
+            entries = None
+        views: dict[str, EngineView] = {}
+        for entry in entries if entries is not None else []:
+            url = str(entry.get("url") or "")
+            key = url or str(entry["engine_id"])
+            old = self.engines.get(key)
+            view = old or EngineView(url=url, engine_id=str(entry["engine_id"]))
+            view.registry = entry
+            views[key] = view
+        for url in self.config.engine_urls:
+            url = url.rstrip("/")
+            if url not in views:
+                views[url] = self.engines.get(url) or EngineView(url=url, engine_id=_engine_id(url))
+        if entries is None:  # keep what we knew rather than blanking the table during a Redis outage
+            views = {**self.engines, **views}
+        self.engines = views
+        if self.config.probe_engines:
+            await asyncio.gather(*(self.probe(v) for v in views.values() if v.url))
+
+    async def probe(self, view: EngineView) -> None:
+        """``/model_info`` (weight version) and ``/v1/loads`` (running, waiting, throughput) of one engine."""
+        if self._http is None:
+            self._http = aiohttp.ClientSession()
+        timeout = aiohttp.ClientTimeout(total=self.config.probe_timeout_s)
+        try:
+            async with self._http.get(f"{view.url}/model_info", timeout=timeout) as resp:
+                resp.raise_for_status()
+                info = await resp.json(content_type=None)
+            async with self._http.get(f"{view.url}/v1/loads", timeout=timeout) as resp:
+                loads = (await resp.json(content_type=None)) if resp.status == 200 else {}
+        except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
+            view.reachable, view.probe_error = False, f"{type(exc).__name__}: {exc}"[:300]
+        else:
+            version = info.get("weight_version") if isinstance(info, dict) else None
+            view.weight_version = None if version is None else str(version)
+            rows = loads.get("loads") if isinstance(loads, dict) else None
+            view.loads = rows[0] if isinstance(rows, list) and rows and isinstance(rows[0], dict) else None
+            view.reachable, view.probe_error = True, ""
+        view.probed_at = time.time()
+
+    async def sample_forever(self, stop: asyncio.Event) -> None:
+        """Every ``refresh_s``: a broker sample and an engine refresh, until ``stop``."""
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(
+                    asyncio.gather(self.sample_broker(), self.refresh_engines()),
+                    timeout=max(self.config.api_timeout_s, self.config.probe_timeout_s * 2),
+                )
+            except TimeoutError:
+                self.broker_error = "sampling timed out"
+            except Exception:  # never let the sampler die: the page would freeze silently
+                log.exception("dashboard sampling failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.config.refresh_s)
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+
+    # -- reads for the API ----------------------------------------------------------------------------------
+
+    async def roles(self) -> list[str]:
+        """Roles that have a metrics stream in this run (cached for a few seconds; SCAN is not free)."""
+        at, cached = self._roles
+        if time.monotonic() - at < ROLES_CACHE_S and cached:
+            return cached
+        prefix = self.shared.key("metrics:")
+        found = set()
+        async for key in self.client.scan_iter(match=_glob_escape(prefix) + "*", count=500):
+            role = _text(key)[len(prefix) :]
+            if _ROLE.match(role) and role != BROKER_ROLE:
+                found.add(role)
+        roles = sorted(found)
+        self._roles = (time.monotonic(), roles)
+        return roles
+
+    async def summary(self) -> dict[str, Any]:
+        now = time.time()
+        roles: dict[str, Any] = {}
+        for role in await self.roles():
+            rows = await self.client.xrevrange(self.reader.key(role), "+", "-", count=1)
+            if rows:
+                entry_id, values = rows[0][0], rows[0][1]
+                point = {_text(k): _number(v) for k, v in values.items()}
+                ts = point.get("ts")
+                age = now - ts if isinstance(ts, (int, float)) else None
+                roles[role] = {"id": _text(entry_id), "age_s": age, "values": point}
+        broker: dict[str, Any] = dict(self.broker_latest or {})
+        if self.broker_latest is not None:
+            broker["sample"] = self.broker_history[-1][1] if self.broker_history else None
+        broker["error"] = self.broker_error
+        return {
+            "run_id": self.shared.run_id,
+            "ts": now,
+            "policy_version": await self.version.get(),
+            "eta": self.shared.eta,
+            "consumer_group": self.broker_config.consumer_group,
+            "roles": roles,
+            "broker": broker,
+            "engines": [v.as_json() for v in self.engines.values()],
+            "settings": {"refresh_s": self.config.refresh_s, "history_points": self.config.history_points},
+        }
+
+    async def series(self, role: str, since: str | None, limit: int) -> dict[str, Any]:
+        if role == BROKER_ROLE:
+            return self._broker_series(since, limit)
+        key = self.reader.key(role)
+        if since is None:
+            rows = list(reversed(await self.client.xrevrange(key, "+", "-", count=limit)))
+            more = False
+        else:
+            rows = await self.client.xrange(key, f"({since}", "+", count=limit + 1)
+            more = len(rows) > limit
+            rows = rows[:limit]
+        points = [{"id": _text(i), "values": {_text(k): _number(v) for k, v in f.items()}} for i, f in rows]
+        last = points[-1]["id"] if points else since
+        return {"role": role, "points": points, "last_id": last, "more": more}
+
+    def _broker_series(self, since: str | None, limit: int) -> dict[str, Any]:
+        after = int(since.split("-")[0]) if since else None
+        rows = [(n, v) for n, v in self.broker_history if after is None or n > after]
+        more = False
+        if after is None:
+            rows = rows[-limit:]
+        else:
+            more, rows = len(rows) > limit, rows[:limit]
+        points = [{"id": str(n), "values": v} for n, v in rows]
+        return {
+            "role": BROKER_ROLE,
+            "points": points,
+            "last_id": points[-1]["id"] if points else since,
+            "more": more,
+        }
+
+    async def prometheus_values(self) -> dict[str, Any]:
+        """Flat numbers for the dashboard's own ``/metrics``: ``<role>/<key>`` of every role's latest point,
+        ``broker/<key>`` of the last broker sample, ``policy_version`` and per-engine health."""
+        summary = await self.summary()
+        out: dict[str, Any] = {}
+        if summary["policy_version"] is not None:
+            out["policy_version"] = summary["policy_version"]
+        for role, point in summary["roles"].items():
+            out.update({f"{role}/{k}": v for k, v in point["values"].items()})
+        for key, value in (summary["broker"].get("sample") or {}).items():
+            out[f"broker/{key}"] = value
+        for i, engine in enumerate(summary["engines"]):
+            if engine["reachable"] is not None:
+                out[f"engine/reachable/{i}"] = float(engine["reachable"])
+            if engine["weight_version"] is not None and engine["weight_version"].lstrip("-").isdigit():
+                out[f"engine/weight_version/{i}"] = int(engine["weight_version"])
+        return out
+
+
+def _number(raw: Any) -> Any:
+    text = _text(raw)
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+
+# -- HTTP ----------------------------------------------------------------------------------------------------
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        text=json.dumps(clean(obj), separators=(",", ":"), allow_nan=False),
+        status=status,
+        content_type="application/json",
+        headers={"Cache-Control": "no-store"},
+    )
+
+
+def parse_series_query(query: Mapping[str, str], default_limit: int) -> tuple[str, str | None, int]:
+    """``role``, ``since`` and ``limit`` of ``/api/series``, checked; raises BadRequest naming the field."""
+    role = query.get("role", "")
+    if not _ROLE.match(role):
+        raise BadRequest(f"role = {role!r}: must be 1-64 letters, digits, '_', '.' or '-'")
+    since = query.get("since") or None
+    if since is not None and not _STREAM_ID.match(since):
+        raise BadRequest(f"since = {since!r}: must be a stream entry id like 1700000000000-0")
+    raw_limit = query.get("limit") or str(default_limit)
+    try:
+        limit = int(raw_limit)
+    except ValueError:
+        raise BadRequest(f"limit = {raw_limit!r}: must be an integer") from None
+    if not 1 <= limit <= 100_000:
+        raise BadRequest(f"limit = {limit}: must be between 1 and 100000")
+    return role, since, limit
+
+
+async def _guarded(request: web.Request, make: Any) -> web.Response:
+    state = request.app[STATE_KEY]
+    try:
+        return _json(await asyncio.wait_for(make(state), state.config.api_timeout_s))
+    except BadRequest as exc:
+        return _json({"error": str(exc)}, 400)
+    except (TimeoutError, aioredis.RedisError, OSError) as exc:
+        return _json({"error": f"Redis unavailable: {type(exc).__name__}: {exc}"}, 503)
+
+
+async def api_summary(request: web.Request) -> web.Response:
+    return await _guarded(request, lambda s: s.summary())
+
+
+async def api_series(request: web.Request) -> web.Response:
+    async def make(state: DashboardState) -> dict[str, Any]:
+        role, since, limit = parse_series_query(request.query, state.config.history_points)
+        return await state.series(role, since, limit)
+
+    return await _guarded(request, make)
+
+
+async def index(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC_DIR / "dashboard.html", headers={"Cache-Control": "no-store"})
+
+
+def make_app(state: DashboardState) -> web.Application:
+    """The read-only app: the page, its static files, the JSON API and ``/metrics``. GET only."""
+    app = web.Application()
+    app[STATE_KEY] = state
+    app.router.add_get("/", index)
+    app.router.add_get("/api/summary", api_summary)
+    app.router.add_get("/api/series", api_series)
+    app.router.add_get(
+        "/metrics", metrics_route("dashboard", state.prometheus_values, {"run": state.shared.run_id})
+    )
+    app.router.add_static("/static/", STATIC_DIR)
+    return app
+
+
+@dataclass
+class RunningDashboard:
+    """A dashboard serving in the current event loop; ``await stop()`` ends it."""
+
+    url: str
+    port: int
+    state: DashboardState
+    _runner: web.AppRunner
+    _stop: asyncio.Event
+    _sampler: asyncio.Task
+    _owns_client: bool
+
+    async def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._sampler, 10)
+        await self._runner.cleanup()
+        await self.state.close()
+        if self._owns_client:
+            await self.state.client.aclose()
+
+
+async def start_dashboard(
+    redis: str | aioredis.Redis,
+    shared: SharedConfig,
+    dashboard: DashboardConfig,
+    broker: BrokerConfig,
+    port: int | None = None,
+) -> RunningDashboard:
+    """Serve the dashboard on ``dashboard.host`` : ``port`` (default ``dashboard.port``; 0 picks a free one)
+    from the running event loop. ``redis`` is a URL or a client (then the caller closes it)."""
+    owns = isinstance(redis, str)
+    client = connect(redis, broker) if isinstance(redis, str) else redis
+    state = DashboardState(client, shared, dashboard, broker)
+    runner = web.AppRunner(make_app(state), access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, dashboard.host, dashboard.port if port is None else port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        if owns:
+            await client.aclose()
+        raise
+    bound = runner.addresses[0][1]
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(state.sample_forever(stop), name="dashboard-sampler")
+    host = dashboard.host if ":" not in dashboard.host else f"[{dashboard.host}]"
+    return RunningDashboard(f"http://{host}:{bound}", bound, state, runner, stop, sampler, owns)
+
+
+def run_dashboard(shared: SharedConfig, dashboard: DashboardConfig, broker: BrokerConfig) -> int:
+    """Serve until SIGTERM / SIGINT; returns the exit code (2: no Redis, 1: cannot bind)."""
+    try:
+        url = resolve_redis_url(shared, wait_s=dashboard.redis_wait_s)
+    except RedisNotFound as exc:
+        log.error("%s", exc)
+        return 2
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        running = await start_dashboard(url, shared, dashboard, broker)
+        log.info("dashboard of run %r at %s (read-only)", shared.run_id, running.url)
+        try:
+            await stop.wait()
+        finally:
+            await running.stop()
+            log.info("dashboard stopped")
+
+    try:
+        asyncio.run(main())
+    except OSError as exc:
+        log.error("cannot serve the dashboard on %s:%d: %s", dashboard.host, dashboard.port, exc)
+        return 1
+    return 0
+
+
+def run(config: StreamRLConfig) -> int:
+    """Entry point for ``streamrl dashboard`` (the CLI passes the whole config tree)."""
+    return run_dashboard(config.shared, config.dashboard, config.broker)
