@@ -183,7 +183,8 @@ def _assert_serves_learner_weights(view: dict, truth: dict) -> None:
 def test_sync_two_learner_ranks_to_two_engines(model_dir: Path, engines, tmp_path: Path) -> None:
     start, _ = engines
     # SGLang 0.5.23 behaviour (update refused outside begin/end) and 0.5.10 (/begin_weight_update is a 404).
-    url_new, url_old = start(model_dir, (), ("--no-sessions",))
+    # The second also loads per-tensor updates through load_weights (no in-place receive into the model).
+    url_new, url_old = start(model_dir, (), ("--no-sessions", "--no-direct"))
     initial = engine_view(url_new)["checksum"]
     report = run_learners(model_dir, [url_new, url_old], "protocol", tmp_path / "report.json")
 

@@ -223,5 +223,8 @@ def test_config_flush_follows_pause_mode() -> None:
     assert WeightSyncConfig().flush() is True
     assert WeightSyncConfig(pause_mode="in_place").flush() is False  # the KV cache of paused requests stays
     assert WeightSyncConfig(pause_mode="in_place", flush_cache=True).flush() is True
+    assert WeightSyncConfig().resolved_load_format("nccl") == "flattened_bucket"
+    assert WeightSyncConfig().resolved_load_format("gloo") == "per_tensor"
+    assert WeightSyncConfig(load_format="flattened_bucket").resolved_load_format("gloo") == "flattened_bucket"
     with pytest.raises(ValueError, match="bucket_mb"):
         WeightSyncConfig(bucket_mb=0)

@@ -57,9 +57,9 @@ class Bucket:
     metas: list[TensorMeta] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
-    flat: torch.Tensor | None = (
-        None  # the packed payload, once ``flatten`` ran (then ``tensors`` may be dropped)
-    )
+    # The packed payload once packed (then ``tensors`` may be dropped), and the pooled buffer it is a view of.
+    flat: torch.Tensor | None = None
+    storage: torch.Tensor | None = None
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         meta = TensorMeta.of(name, tensor)
@@ -135,6 +135,18 @@ def flatten_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         raise ValueError("Cannot create empty tensor bucket")
     return torch.cat([t.detach().flatten().view(torch.uint8) for t in tensors])
+
+
+def flatten_into(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """``flatten_tensors`` written into the front of a reusable uint8 buffer; returns the filled view."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    if out.dtype != torch.uint8 or out.numel() < nbytes:
+        raise ValueError(
+            f"pack buffer: need uint8 of at least {nbytes} bytes, got {out.dtype} [{out.numel()}]"
+        )
+    view = out[:nbytes]
+    torch.cat([t.detach().flatten().view(torch.uint8) for t in tensors], out=view)
+    return view
 
 
 def layout(metas: Sequence[TensorMeta]) -> list[tuple[int, int]]:

@@ -20,9 +20,10 @@ class WeightSyncConfig(Section):
         "abort", description="How engines pause during an update: abort, retract or in_place."
     )
     timeout_s: float = Field(120.0, gt=0, description="Timeout of every broadcast and update call, seconds.")
-    load_format: Literal["flattened_bucket", "per_tensor"] = Field(
-        "flattened_bucket",
-        description="flattened_bucket: one broadcast of a packed uint8 buffer per bucket; per_tensor: one each.",
+    load_format: Literal["auto", "flattened_bucket", "per_tensor"] = Field(
+        "auto",
+        description="flattened_bucket: one broadcast of a packed uint8 buffer per bucket; per_tensor: one per "
+        "tensor (CPU engines receive them in place); auto: flattened_bucket on nccl, per_tensor on gloo.",
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Backend of the update group; auto is nccl with a GPU, else gloo."
@@ -41,11 +42,25 @@ class WeightSyncConfig(Section):
     send_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Cast floating weights to this dtype before sending; auto sends them as trained."
     )
+    pipeline_depth: int = Field(
+        2,
+        ge=1,
+        le=2,
+        description="Buckets sent before the oldest is confirmed: 2 overlaps an engine's load of bucket k "
+        "with the broadcast of k+1; 1 waits for every reply.",
+    )
     max_attempts: int = Field(
         3,
         ge=1,
         description="Attempts per sync; after a failure the group is rebuilt with the healthy engines.",
     )
+
+    def resolved_load_format(self, backend: str) -> str:
+        """The wire format for ``backend``: on GPUs one NCCL call per bucket wins; on CPU engines per-tensor
+        broadcasts land in the model's own tensors, saving the unpack copy (docs/weight_sync.md, numbers)."""
+        if self.load_format != "auto":
+            return self.load_format
+        return "flattened_bucket" if backend == "nccl" else "per_tensor"
 
     def flush(self) -> bool:
         """The flush_cache flag to send: explicit, else derived from the pause mode."""

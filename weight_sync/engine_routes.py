@@ -58,11 +58,24 @@ def _handler(parse: Callable[[Any], Any], call: Callable[[Any], tuple[bool, str]
     return handle
 
 
+def _update_handler(receiver: WeightReceiver) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        try:
+            parsed = protocol.parse_update_distributed(await read_json(request))
+        except ValueError as exc:
+            return validation_error(str(exc))
+        ticket = receiver.take_ticket()  # on the event loop: updates are served in arrival order
+        success, message = await asyncio.to_thread(receiver.update, parsed, ticket)
+        return reply(success, message)
+
+    return handle
+
+
 def weight_routes(receiver: WeightReceiver, sessions: bool = True) -> list[web.RouteDef]:
     """init / update / destroy, plus begin / end when ``sessions`` (SGLang 0.5.23; without them, 404)."""
     routes = [
         web.post(protocol.INIT_GROUP, _handler(protocol.parse_init_group, receiver.init_group)),
-        web.post(protocol.UPDATE_DISTRIBUTED, _handler(protocol.parse_update_distributed, receiver.update)),
+        web.post(protocol.UPDATE_DISTRIBUTED, _update_handler(receiver)),
         web.post(protocol.DESTROY_GROUP, _handler(protocol.parse_group_name, receiver.destroy_group)),
     ]
     if sessions:

@@ -30,7 +30,13 @@ from aiohttp import web
 
 from weight_sync import protocol
 from weight_sync.engine_routes import read_json, reply, validation_error, weight_routes
-from weight_sync.receiver import WeightReceiver, copy_into, weights_by_name, weights_checksum
+from weight_sync.receiver import (
+    WeightReceiver,
+    copy_into,
+    model_destination,
+    weights_by_name,
+    weights_checksum,
+)
 
 
 def load_model(model_dir: str | None, model_config: str | None) -> torch.nn.Module:
@@ -65,12 +71,16 @@ class MiniEngine:
         self.model = load_model(args.model_dir, args.model_config)
         self.model_path = args.model_dir or "<in-memory>"
         self.receiver = WeightReceiver(
-            copy_into(self.model), timeout_s=args.timeout_s, require_session=not args.no_sessions
+            copy_into(self.model),
+            timeout_s=args.timeout_s,
+            require_session=not args.no_sessions,
+            destination=None if args.no_direct else model_destination(self.model),
         )
         self.receiver.weight_version = "0"
         self.paused: str | None = None
         self.calls: dict[str, int] = {}
         self.update_requests = 0
+        self._bench_buffer: torch.Tensor | None = None
 
     @web.middleware
     async def count_calls(self, request: web.Request, handler):  # noqa: ANN001 - aiohttp middleware
@@ -95,6 +105,7 @@ class MiniEngine:
                 web.route("*", "/weights_checker", self.checksum),
                 web.post("/score", self.score),
                 web.get("/stats", self.stats),
+                web.post("/bench_receive", self.bench_receive),
             ]
         )
         return app
@@ -143,7 +154,9 @@ class MiniEngine:
             return reply(False, f"Failed to update weights: {exc}")
         self.model_path = path
         self.receiver.mark_consistent(body.get("weight_version"))
-        status, payload = protocol.reply_body(True, "Succeeded to update model weights.", num_paused_requests=0)
+        status, payload = protocol.reply_body(
+            True, "Succeeded to update model weights.", num_paused_requests=0
+        )
         return web.json_response(payload, status=status)
 
     async def checksum(self, request: web.Request) -> web.Response:
@@ -164,6 +177,30 @@ class MiniEngine:
             return logp.gather(-1, ids[0, 1:, None])[:, 0].tolist()
 
         return web.json_response({"logprobs": await asyncio.to_thread(forward)})
+
+    async def bench_receive(self, request: web.Request) -> web.Response:
+        """Benchmarks only: receive one 1-element broadcast (the start line), then one flat uint8 broadcast of
+        ``nbytes`` into a buffer kept (and already touched) across calls, with no loading: the transport's limit
+        for the same bytes."""
+        try:
+            body = await read_json(request)
+            nbytes = int(body["nbytes"])
+            group = self.receiver.groups[body.get("group_name", protocol.DEFAULT_GROUP)]
+        except (ValueError, KeyError, TypeError) as exc:
+            return validation_error(f"bench_receive: {exc!r}")
+
+        def run() -> None:
+            with self.receiver.exclusive():
+                if self._bench_buffer is None or self._bench_buffer.numel() != nbytes:
+                    self._bench_buffer = torch.zeros(nbytes, dtype=torch.uint8)
+                group.broadcast(torch.empty(1))
+                group.broadcast(self._bench_buffer)
+
+        try:
+            await asyncio.to_thread(run)
+        except Exception as exc:
+            return reply(False, f"bench_receive failed: {exc}")
+        return reply(True, "received")
 
     async def stats(self, request: web.Request) -> web.Response:
         r = self.receiver
@@ -190,6 +227,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-sessions", action="store_true", help="behave like SGLang 0.5.10: no begin/end")
     p.add_argument("--kill-at-update", type=int, default=0, help="SIGKILL itself on the N-th update call")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--no-direct", action="store_true", help="per-tensor updates go through load_weights too")
     args = p.parse_args(argv)
     if not (args.model_dir or args.model_config):
         p.error("one of --model-dir or --model-config is required")

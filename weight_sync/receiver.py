@@ -17,20 +17,23 @@ update was cut short stays inconsistent until the full re-send ends the session.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 from torch import nn
 
 from weight_sync import protocol
-from weight_sync.buckets import TensorMeta, empty_flat, unflatten
+from weight_sync.buckets import TensorMeta, layout, unflatten
 from weight_sync.group import UpdateGroup, join_group
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 LoadWeights = Callable[[NamedTensors], None]
+Destination = Callable[[TensorMeta], "torch.Tensor | None"]
 
 
 @dataclass
@@ -49,7 +52,14 @@ class ReceiverStats:
 
 
 class WeightReceiver:
-    """One engine TP rank's receiver (tp_rank 0 for the built-in engine)."""
+    """One engine TP rank's receiver (tp_rank 0 for the built-in engine).
+
+    Updates run in two ordered stages, receive then load, so that bucket k+1 can be received while bucket k is
+    loaded (the sender sends k+1 once the broadcast of k has completed, before k's reply; with gloo a
+    broadcast completes only after every receiver posted its receive, so requests arrive in order). Tickets
+    are taken in arrival order (``take_ticket``, called by the HTTP handler on its event loop); two receive
+    buffers alternate. Control calls (init, destroy, begin, end) wait until no update is in flight.
+    """
 
     def __init__(
         self,
@@ -59,13 +69,25 @@ class WeightReceiver:
         timeout_s: float = 120.0,
         require_session: bool = True,
         on_weight_version: Callable[[str], None] | None = None,
+        reuse_buffers: bool = True,
+        destination: Destination | None = None,
     ) -> None:
         self.load_weights = load_weights
+        # Per-tensor updates (load_format null) may be received straight into the model's own tensors when the
+        # engine names one of matching dtype, shape and device (``model_destination``): no receive buffer, no
+        # load copy. Only while generation is paused (the sender always pauses); a failed receive leaves those
+        # tensors partly written, which ``consistent`` reports as for any partial update.
+        self.destination = destination
         self.device = torch.device(device)
         self.tp_rank = tp_rank
         self.timeout_s = timeout_s
         self.require_session = require_session
         self.on_weight_version = on_weight_version
+        # Receive into buffers kept across updates (on CPU a fresh one page-faults at every bucket; on GPU the
+        # caching allocator does the same). The tensors handed to ``load_weights`` are views into them, valid
+        # only during the call: copy them, as ``copy_into`` does.
+        self.reuse_buffers = reuse_buffers
+        self._buffers: list[torch.Tensor | None] = [None, None]
         self.groups: dict[str, UpdateGroup] = {}
         self.session_open = False
         self.session_loaded = False
@@ -73,14 +95,51 @@ class WeightReceiver:
         self.consistent = True
         self.weight_version: str | None = None
         self.stats = ReceiverStats()
-        # One operation at a time: a destroy waits for a receive in progress (bounded by its timeout).
-        self._lock = threading.RLock()
+        self._cv = threading.Condition()
+        self._next_ticket = 0
+        self._recv_turn = 0  # the ticket whose receive may run
+        self._load_turn = 0  # the ticket whose load may run
+        self._busy = False  # a control call is running
+
+    # ----------------------------------------------------------------------------------- coordination
+
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        """Wait (holding ``_cv``) until ``ready``; everything ahead is itself bounded by ``timeout_s``."""
+        if not self._cv.wait_for(ready, timeout=3 * self.timeout_s + 10):
+            raise RuntimeError(f"weight receiver: waited too long for {what}")
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Run a control call (or an engine's own collective on the group) with no update in flight."""
+        with self._cv:
+            self._wait(
+                lambda: (
+                    self._recv_turn == self._next_ticket
+                    and self._load_turn == self._next_ticket
+                    and not self._busy
+                ),
+                "in-flight updates",
+            )
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+    def take_ticket(self) -> int:
+        """Reserve this update's place in line; call in arrival order (the HTTP handler's event loop)."""
+        with self._cv:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            return ticket
 
     # ------------------------------------------------------------------------------------------- group
 
     def init_group(self, req: protocol.InitGroupRequest) -> tuple[bool, str]:
         """Join as rank ``rank_offset + tp_rank``; blocks until every rank has joined (or the timeout)."""
-        with self._lock:
+        with self.exclusive():
             if req.group_name in self.groups:
                 return False, f"Failed to initialize custom process group: group {req.group_name!r} exists."
             try:
@@ -100,7 +159,7 @@ class WeightReceiver:
             return True, protocol.MSG_INIT_OK
 
     def destroy_group(self, group_name: str) -> tuple[bool, str]:
-        with self._lock:
+        with self.exclusive():
             group = self.groups.pop(group_name, None)
             if group is None:
                 return False, protocol.MSG_DESTROY_MISSING
@@ -108,14 +167,13 @@ class WeightReceiver:
             return True, protocol.MSG_DESTROY_OK
 
     def close(self) -> None:
-        with self._lock:
-            for name in list(self.groups):
-                self.destroy_group(name)
+        for name in list(self.groups):
+            self.destroy_group(name)
 
     # ----------------------------------------------------------------------------------------- session
 
     def begin(self) -> tuple[bool, str]:
-        with self._lock:
+        with self.exclusive():
             if self.session_open:
                 return False, protocol.MSG_BEGIN_TWICE
             self.session_open, self.session_loaded, self.session_failed = True, False, False
@@ -123,7 +181,7 @@ class WeightReceiver:
             return True, protocol.MSG_SESSION_OK
 
     def end(self) -> tuple[bool, str]:
-        with self._lock:
+        with self.exclusive():
             if not self.session_open:
                 return False, protocol.MSG_END_WITHOUT_BEGIN
             self.session_open = False
@@ -134,57 +192,120 @@ class WeightReceiver:
 
     def mark_consistent(self, weight_version: str | None = None) -> None:
         """After a full reload (``/update_weights_from_disk``): the weights are whole again."""
-        with self._lock:
+        with self.exclusive():
             self.consistent = True
             if weight_version is not None:
                 self._set_version(weight_version)
 
     # ------------------------------------------------------------------------------------------ update
 
-    def update(self, req: protocol.UpdateRequest) -> tuple[bool, str]:
+    def update(self, req: protocol.UpdateRequest, ticket: int | None = None) -> tuple[bool, str]:
         """Receive one bucket broadcast from rank 0 and load it. Blocks until the data arrived or timed out."""
-        with self._lock:
-            if self.require_session and not self.session_open:
-                return False, protocol.MSG_SESSION_REQUIRED
-            group = self.groups.get(req.group_name)
-            if group is None:
-                known = list(self.groups)
-                return self._fail(
-                    f"Failed to receive weights: Group {req.group_name} not in {known}. "
-                    "Please call `init_weights_update_group` first."
-                )
-            try:
-                named = self._receive(group, req.metas, req.load_format)
-            except Exception as exc:
-                return self._fail(f"Failed to receive weights: {exc}", partial=True)
-            try:
+        ticket = self.take_ticket() if ticket is None else ticket
+        outcome, named = None, None
+        with self._cv:  # receive stage: in ticket order, once the load that used this buffer is done
+            self._wait(
+                lambda: self._recv_turn == ticket and self._load_turn >= ticket - 1 and not self._busy,
+                f"the turn of update {ticket}",
+            )
+            outcome, group = self._admit(req)
+        try:
+            if outcome is None:
+                named = self._receive(group, req.metas, req.load_format, ticket % 2)
+        except Exception as exc:
+            outcome = self._fail(f"Failed to receive weights: {exc}", partial=True)
+        finally:
+            with self._cv:
+                self._recv_turn += 1
+                self._cv.notify_all()
+        with self._cv:  # load stage: in ticket order
+            self._wait(lambda: self._load_turn == ticket, f"the load turn of update {ticket}")
+        try:
+            if outcome is None:
+                outcome = self._load(req, named)
+        finally:
+            with self._cv:
+                self._load_turn += 1
+                self._cv.notify_all()
+        return outcome
+
+    def _admit(self, req: protocol.UpdateRequest) -> tuple[tuple[bool, str] | None, UpdateGroup | None]:
+        if self.require_session and not self.session_open:
+            return (False, protocol.MSG_SESSION_REQUIRED), None
+        group = self.groups.get(req.group_name)
+        if group is None:
+            known = list(self.groups)
+            message = (
+                f"Failed to receive weights: Group {req.group_name} not in {known}. "
+                "Please call `init_weights_update_group` first."
+            )
+            return self._fail(message), None
+        return None, group
+
+    def _load(self, req: protocol.UpdateRequest, named: NamedTensors) -> tuple[bool, str]:
+        try:
+            if named:
                 self.load_weights(named)
-            except Exception as exc:
-                return self._fail(f"Failed to load weights: {exc}", partial=True)
+        except Exception as exc:
+            return self._fail(f"Failed to load weights: {exc}", partial=True)
+        with self._cv:
             if self.session_open:
                 self.session_loaded = True
                 self.consistent = False  # whole again only when end() closes a session without failures
             self.stats.updates += 1
-            self.stats.tensors += len(named)
+            self.stats.tensors += len(req.metas)
             self.stats.bytes += sum(m.nbytes for m in req.metas)
             if req.weight_version is not None:
                 self._set_version(req.weight_version)
-            return True, protocol.MSG_UPDATE_OK + protocol.version_suffix(req.weight_version)
+        return True, protocol.MSG_UPDATE_OK + protocol.version_suffix(req.weight_version)
 
-    def _receive(self, group: UpdateGroup, metas: list[TensorMeta], load_format: str | None) -> NamedTensors:
-        from datetime import timedelta
+    def _buffer(self, nbytes: int, slot: int) -> torch.Tensor:
+        """Receive buffer ``slot`` (0 or 1), reused across updates; grows to the largest bucket."""
+        if not self.reuse_buffers:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < nbytes:
+            self._buffers[slot] = None  # free the smaller one first
+            buf = self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf[:nbytes]
 
+    def _receive(
+        self, group: UpdateGroup, metas: list[TensorMeta], load_format: str | None, slot: int
+    ) -> NamedTensors:
         timeout = timedelta(seconds=self.timeout_s)
         if load_format == "flattened_bucket":
-            flat = empty_flat(metas, self.device)  # raises "Unaligned received tensor" before any receive
-            work = group.broadcast(flat, async_op=True)
-            work.wait(timeout)
+            ranges = layout(metas)  # raises "Unaligned received tensor" before any receive is posted
+            flat = self._buffer(ranges[-1][1] if ranges else 0, slot)
+            group.broadcast(flat, async_op=True).wait(timeout)
             return unflatten(flat, metas)
-        tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
+        direct = [self._direct(m) for m in metas]
+        rest = [m for m, d in zip(metas, direct, strict=True) if d is None]
+        try:  # per tensor: views of the reusable buffer when the layout allows, else fresh tensors
+            ranges = layout(rest)
+            buf = self._buffer(ranges[-1][1] if ranges else 0, slot)
+            staged = [buf[a:b].view(m.dtype).reshape(m.shape) for m, (a, b) in zip(rest, ranges, strict=True)]
+        except ValueError:
+            staged = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in rest]
+        pending = iter(staged)
+        tensors = [d if d is not None else next(pending) for d in direct]
         works = [group.broadcast(t, async_op=True) for t in tensors]
         for work in works:
             work.wait(timeout)
-        return [(m.name, t) for m, t in zip(metas, tensors, strict=True)]
+        return [(m.name, t) for m, t, d in zip(metas, tensors, direct, strict=True) if d is None]
+
+    def _direct(self, meta: TensorMeta) -> torch.Tensor | None:
+        """The model's own tensor for ``meta`` when it can receive the broadcast as is."""
+        if self.destination is None:
+            return None
+        target = self.destination(meta)
+        ok = (
+            target is not None
+            and target.dtype == meta.dtype
+            and tuple(target.shape) == meta.shape
+            and target.device == self.device
+            and target.is_contiguous()
+        )
+        return target if ok else None
 
     def _set_version(self, version: str) -> None:
         if version != self.weight_version:
@@ -229,6 +350,13 @@ def copy_into(model: nn.Module) -> LoadWeights:
                 params[name].copy_(tensor)
 
     return load
+
+
+def model_destination(model: nn.Module) -> Destination:
+    """A ``destination`` for a Hugging Face model whose parameter names are the HF checkpoint names (no fused
+    or sharded layers): broadcasts land in ``param.data`` directly."""
+    params = {name: p.data for name, p in model.named_parameters()}
+    return lambda meta: params.get(meta.name)
 
 
 def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:

@@ -27,7 +27,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from weight_sync import protocol
-from weight_sync.buckets import Bucket, BucketBuilder
+from weight_sync.buckets import Bucket, BucketBuilder, flatten_into
 from weight_sync.client import EngineHttp, wait_reply
 from weight_sync.config import WeightSyncConfig
 from weight_sync.group import UpdateGroup, default_backend, host_address, join_group, open_store
@@ -122,6 +123,38 @@ def iter_full_tensors(
         yield hf_name(name), tensor.contiguous()
 
 
+class BufferPool:
+    """Pack buffers reused across buckets and syncs: on CPU a fresh multi-MB buffer costs a page fault per 4 KiB
+    every time (glibc maps and unmaps it), which was a third of a sync; on GPU this is what the caching
+    allocator does anyway. ``count`` = 3: one in flight, one queued, one being packed."""
+
+    def __init__(self, nbytes: int, device: torch.device, count: int = 3) -> None:
+        self.nbytes, self.device = nbytes, device
+        self._free: queue.Queue[torch.Tensor | None] = queue.Queue()
+        for _ in range(count):
+            self._free.put(None)  # a slot whose buffer is allocated on first use
+
+    def acquire(self, nbytes: int, alive: Callable[[], bool]) -> torch.Tensor:
+        if nbytes > self.nbytes:  # a lone tensor larger than a bucket: a one-off buffer
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        while True:
+            try:
+                buf = self._free.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if not alive():
+                    return torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        return buf if buf is not None else torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+
+    def release(self, buf: torch.Tensor | None) -> None:
+        if buf is not None and buf.numel() == self.nbytes and buf.device == self.device:
+            self._free.put(buf)
+
+    def forget(self) -> None:
+        """A buffer was given up on (a broadcast may still read it): its slot gets a new one later."""
+        self._free.put(None)
+
+
 class _Attempt:
     """One pass over the model on rank 0: the main thread adds tensors, a sender thread ships buckets."""
 
@@ -129,14 +162,17 @@ class _Attempt:
         self.sender = sender
         self.version = version
         cfg = sender.config
-        self.flattened = cfg.load_format == "flattened_bucket"
-        self.builder = BucketBuilder(max(1, int(cfg.bucket_mb * 2**20)))
+        self.flattened = cfg.resolved_load_format(sender.backend) == "flattened_bucket"
+        self.bucket_bytes = max(1, int(cfg.bucket_mb * 2**20))
+        self.builder = BucketBuilder(self.bucket_bytes)
         self.queue: queue.Queue[Bucket | None] = queue.Queue(maxsize=1)
         self.members = list(sender.members)
         self.failures: dict[str, Reply] = {}
         self.error: str | None = None
         self.bytes = 0
         self.buckets = 0
+        self.depth = cfg.pipeline_depth
+        self.outstanding: deque[tuple[dict[str, Future[Reply]], int]] = deque()  # sent, not yet confirmed
         self.thread = threading.Thread(target=self._run, name="weight-sync-send", daemon=True)
         self.thread.start()
 
@@ -162,7 +198,12 @@ class _Attempt:
         if bucket is not None and self.failed:
             return  # the attempt already failed: keep gathering (all ranks must) but ship nothing
         if bucket is not None and self.flattened:
-            bucket.flat = bucket.flatten()  # packed here, overlapping the previous bucket's broadcast
+            if len(bucket.tensors) == 1:  # one contiguous tensor: its bytes are the payload, no copy
+                bucket.flat = bucket.tensors[0].view(-1).view(torch.uint8)
+            else:  # packed here, overlapping the previous bucket's broadcast, into a pooled buffer
+                pool = self.sender.pool(self.bucket_bytes, bucket.tensors[0].device)
+                bucket.storage = pool.acquire(bucket.nbytes, self.thread.is_alive)
+                bucket.flat = flatten_into(bucket.tensors, bucket.storage)
             bucket.tensors = []
         while self.thread.is_alive():
             try:
@@ -179,16 +220,20 @@ class _Attempt:
                 self._prepare()
         except Exception as exc:  # never leave the main thread blocked on the queue
             self.error = f"prepare failed: {exc!r}"
-        while True:
-            bucket = self.queue.get()
-            if bucket is None:
-                return
-            if self.failed or not self.members:
-                continue
-            try:
-                self._send(bucket)
-            except Exception as exc:
-                self.error = f"bucket {self.buckets}: {exc!r}"
+        try:
+            while True:
+                bucket = self.queue.get()
+                if bucket is None:
+                    return
+                if self.failed or not self.members:
+                    self.sender.release(bucket.storage)
+                    continue
+                try:
+                    self._send(bucket)
+                except Exception as exc:
+                    self.error = f"bucket {self.buckets}: {exc!r}"
+        finally:
+            self._confirm(keep=0)
 
     def _prepare(self) -> None:
         """Pause every member not yet paused, then open a session where the server has sessions."""
@@ -218,7 +263,14 @@ class _Attempt:
                 self.failures[url] = reply
 
     def _send(self, bucket: Bucket) -> None:
+        """One bucket: the update call to every engine and the broadcast. Returns once the broadcast completed
+        (every engine has received it) with at most ``pipeline_depth - 1`` earlier buckets unconfirmed, so the
+        engines load bucket k while bucket k+1 is on the wire."""
         s, cfg = self.sender, self.sender.config
+        self._confirm(keep=self.depth - 1)
+        if self.failed:
+            self.sender.release(bucket.storage)
+            return
         body = protocol.update_distributed_body(
             bucket.metas,
             group_name=cfg.group_name,
@@ -229,18 +281,35 @@ class _Attempt:
         futures = {e.url: s.http.submit(e.url, protocol.UPDATE_DISTRIBUTED, body) for e in self.members}
         payload = [bucket.flat] if self.flattened else bucket.tensors
         works = [s.group.broadcast(t, async_op=True) for t in payload]
-        self._wait_broadcast(works, futures, payload)
-        for url, fut in futures.items():
-            reply = wait_reply(fut, cfg.timeout_s)
-            if not reply.ok:
-                self.failures[url] = reply
-        if not self.failed:
-            self.bytes += bucket.nbytes
-            self.buckets += 1
+        self.outstanding.append((futures, bucket.nbytes))
+        if self._wait_broadcast(works, payload):
+            self.sender.release(bucket.storage)
+        else:
+            self.sender.forget(bucket.storage)
 
-    def _wait_broadcast(self, works: list, futures: dict[str, Future[Reply]], payload: list) -> None:
+    def _confirm(self, keep: int) -> None:
+        """Collect replies, oldest bucket first, until at most ``keep`` buckets are unconfirmed."""
+        while len(self.outstanding) > keep:
+            futures, nbytes = self.outstanding.popleft()
+            confirmed = True
+            for url, fut in futures.items():
+                reply = wait_reply(fut, self.sender.config.timeout_s)
+                if not reply.ok:
+                    self.failures[url] = reply
+                    confirmed = False
+            if confirmed:
+                self.bytes += nbytes
+                self.buckets += 1
+
+    def _engine_failed(self) -> bool:
+        return any(
+            f.done() and not f.result().ok for futures, _ in self.outstanding for f in futures.values()
+        )
+
+    def _wait_broadcast(self, works: list, payload: list) -> bool:
         """Wait for the broadcast, but stop waiting early when an engine already failed this bucket (its
-        receive will never be posted, so the broadcast could only time out)."""
+        receive will never be posted, so the broadcast could only time out). False: given up on, the buffers
+        may still be read by the backend."""
         timeout_s = self.sender.config.timeout_s
         deadline = time.monotonic() + timeout_s
         pending = list(works)
@@ -248,20 +317,21 @@ class _Attempt:
             pending = [w for w in pending if not w.is_completed()]
             if not pending:
                 break
-            if any(f.done() and not f.result().ok for f in futures.values()):
+            if self._engine_failed():
                 self.error = "broadcast abandoned: an engine failed the update"
                 self.sender.abandon(works, payload)
-                return
+                return False
             if time.monotonic() > deadline:
                 self.error = f"broadcast not complete within {timeout_s:g} s"
                 self.sender.abandon(works, payload)
-                return
+                return False
             time.sleep(0.001)
         try:
             for work in works:
                 work.wait(timedelta(seconds=timeout_s))
         except Exception as exc:  # a member died mid-broadcast (gloo: connection reset)
             self.error = f"broadcast failed: {exc}"
+        return True
 
 
 class WeightSender:
@@ -291,6 +361,20 @@ class WeightSender:
         self.syncs = 0
         # Broadcasts given up on, with their buffers: gloo may still read them until the peer goes away.
         self._abandoned: list[tuple[list, list]] = []
+        self._pool: BufferPool | None = None
+
+    def pool(self, bucket_bytes: int, device: torch.device) -> BufferPool:
+        if self._pool is None or (self._pool.nbytes, self._pool.device) != (bucket_bytes, device):
+            self._pool = BufferPool(bucket_bytes, device)
+        return self._pool
+
+    def release(self, buf: torch.Tensor | None) -> None:
+        if self._pool is not None:
+            self._pool.release(buf)
+
+    def forget(self, buf: torch.Tensor | None) -> None:
+        if self._pool is not None and buf is not None:
+            self._pool.forget()
 
     def abandon(self, works: list, payload: list) -> None:
         self._abandoned = [(w, p) for w, p in self._abandoned if not all(x.is_completed() for x in w)]
