@@ -32,6 +32,7 @@ import logging
 import math
 import re
 import signal
+import sys
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -42,14 +43,16 @@ from typing import Any
 import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import web
+from pydantic import Field
 
 from broker.client import connect
 from broker.config import BrokerConfig, SharedConfig
+from broker.configlib import ConfigError, Section, load_config, render_help
 from broker.discovery import RedisNotFound, resolve_redis_url
 from broker.metrics import BrokerMetrics, MetricsReader
 from broker.prometheus import metrics_route
 from broker.version import PolicyVersion
-from streamrl.config import DashboardConfig, StreamRLConfig
+from streamrl.config import DashboardConfig, StreamRLConfig, env_defaults
 
 log = logging.getLogger("streamrl.dashboard")
 
@@ -526,3 +529,31 @@ def run_dashboard(shared: SharedConfig, dashboard: DashboardConfig, broker: Brok
 def run(config: StreamRLConfig) -> int:
     """Entry point for ``streamrl dashboard`` (the CLI passes the whole config tree)."""
     return run_dashboard(config.shared, config.dashboard, config.broker)
+
+
+class DashboardRoleConfig(Section):
+    """The sections ``python -m streamrl.dashboard`` reads."""
+
+    shared: SharedConfig = Field(default_factory=SharedConfig, description="Settings every role shares.")
+    broker: BrokerConfig = Field(default_factory=BrokerConfig, description="The trajectory stream transport.")
+    dashboard: DashboardConfig = Field(default_factory=DashboardConfig, description="The live dashboard.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m streamrl.dashboard [--config FILE] [--section.field=value ...]``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print("usage: python -m streamrl.dashboard [--config FILE] [--section.field=value ...]\n")
+        print(render_help(DashboardRoleConfig))
+        return 0
+    try:
+        cfg = load_config(DashboardRoleConfig, args, base=env_defaults())
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s dashboard %(levelname)s: %(message)s")
+    return run_dashboard(cfg.shared, cfg.dashboard, cfg.broker)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,7 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -222,3 +230,50 @@ async def test_a_dead_redis_answers_503_not_a_hang(own_redis: EmbeddedRedis) -> 
         assert status == 503 and "Redis unavailable" in body["error"]
     finally:
         await running.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_daemon_serves_until_sigterm_and_says_when_there_is_no_redis(redis_url: str, tmp_path: Path) -> None:
+    port = free_port()
+    args = [sys.executable, "-m", "streamrl.dashboard", f"--shared.redis_url={redis_url}"]
+    args += ["--shared.run_id=proc", f"--dashboard.port={port}", "--dashboard.refresh_s=0.2"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        body = None
+        for _ in range(150):  # bounded: the process imports torch-free config only, ~1-3 s
+            assert proc.poll() is None, proc.communicate()[0]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/summary", timeout=2) as resp:
+                    body = json.loads(resp.read())
+                    break
+            except OSError:
+                time.sleep(0.1)
+        assert body is not None and body["run_id"] == "proc"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+        assert proc.returncode == 0, out
+        assert "dashboard stopped" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "streamrl.dashboard",
+            f"--shared.run_dir={tmp_path}",
+            "--dashboard.redis_wait_s=0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert res.returncode == 2 and "no Redis" in res.stderr

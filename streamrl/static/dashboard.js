@@ -103,9 +103,10 @@ function fmtAge(seconds) {
   return `${(seconds / 3600).toFixed(1)} h ago`;
 }
 
-function clock(ts) {
+function clock(ts, fraction = false) {
   const d = new Date(ts * 1000);
-  return d.toTimeString().slice(0, 8);
+  const hms = d.toTimeString().slice(0, 8);
+  return fraction ? `${hms}.${String(Math.floor((ts % 1) * 10))}` : hms;
 }
 
 function esc(text) {
@@ -124,7 +125,7 @@ function niceTicks(lo, hi, count) {
   return ticks;
 }
 
-const W = 560, H = 210, M = { l: 50, r: 12, t: 8, b: 24 };
+const W = 560, H = 220, M = { l: 50, r: 12, t: 8, b: 34 };
 
 function frame(xs, ys, opts) {
   let [x0, x1] = [Math.min(...xs), Math.max(...xs)];
@@ -141,11 +142,13 @@ function frame(xs, ys, opts) {
     grid += `<text class="axis" x="${M.l - 4}" y="${sy(t) + 3}" text-anchor="end">${esc(fmt(t))}</text>`;
   }
   const xt = opts.xTime ? niceTicks(x0, x1, 5) : niceTicks(x0, x1, 6).filter((t) => !opts.xInt || Number.isInteger(t));
+  const sub = opts.xTime && xt.length > 1 && xt[1] - xt[0] < 1;
   for (const t of xt) {
-    const label = opts.xTime ? clock(t) : fmt(t);
-    grid += `<text class="axis" x="${sx(t)}" y="${H - 8}" text-anchor="middle">${esc(label)}</text>`;
+    const label = opts.xTime ? clock(t, sub) : fmt(t);
+    grid += `<text class="axis" x="${sx(t)}" y="${H - M.b + 13}" text-anchor="middle">${esc(label)}</text>`;
   }
-  if (opts.xLabel) grid += `<text class="axis" x="${W - M.r}" y="${H - M.b - 4}" text-anchor="end">${esc(opts.xLabel)}</text>`;
+  const xLabel = opts.xTime ? "time" : opts.xLabel;
+  if (xLabel) grid += `<text class="axis" x="${(M.l + W - M.r) / 2}" y="${H - 4}" text-anchor="middle">${esc(xLabel)}</text>`;
   return { sx, sy, grid };
 }
 

@@ -1,0 +1,283 @@
+"""The dashboard page in headless Chromium (Debian's ``chromium`` + ``chromium-driver``, driven by Selenium):
+the page loads, every tile and chart shows the values that are in Redis for this run (learner steps, held-out
+evaluation, rollout throughput, real stream traffic, a real built-in engine in the registry), it updates live
+when a new step is written, and a screenshot is kept under test-artifacts/."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+import torch
+
+from broker.client import connect
+from broker.config import BrokerConfig, SharedConfig
+from broker.consumer import Consumer
+from broker.metrics import MetricsWriter
+from broker.producer import Producer
+from broker.record import synthetic_group
+from broker.staleness import staleness_stats
+from broker.version import PolicyVersion
+from rollout_fleet.engine.core import Engine
+from rollout_fleet.engine.server import ServerSettings, ServerThread
+from rollout_fleet.model import init_tiny_model
+from streamrl.config import DashboardConfig
+from streamrl.dashboard import start_dashboard
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.timeout(90)
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+SHARED = SharedConfig(run_id="browser", eta=2)
+BROKER = BrokerConfig(block_ms=20, retry_attempts=2, socket_timeout_s=2)
+DASH = DashboardConfig(refresh_s=0.3, history_points=500, probe_timeout_s=1.0)
+STEPS = 12
+
+# Everything the page shows, read from the DOM in one call.
+READ_PAGE = """
+const attrs = (sel, f) => [...document.querySelectorAll(sel)].map(f);
+return {
+  ready: document.body.dataset.ready || null,
+  status: document.getElementById('status').textContent,
+  run: document.getElementById('run-id').textContent,
+  tiles: Object.fromEntries(attrs('.tile .value', e => [e.id, [e.dataset.value ?? null, e.textContent]])),
+  charts: Object.fromEntries(attrs('figure.chart', f => [f.id, {
+    points: Number(f.dataset.points || 0),
+    lines: Object.fromEntries([...f.querySelectorAll('path.line')].map(
+      p => [p.dataset.name, [Number(p.dataset.count), Number(p.dataset.last)]])),
+  }])),
+  bars: attrs('#chart-staleness-hist rect.bar', r => [Number(r.dataset.bucket), Number(r.dataset.count)]),
+  engines: attrs('#engines tbody tr', tr => [tr.dataset.engine || null, ...[...tr.cells].map(c => c.textContent)]),
+  pills: attrs('#roles .pill', p => p.dataset.role || null),
+  outcomes: Object.fromEntries(attrs('#outcomes tr[data-key]', tr => [tr.dataset.key, tr.cells[2].textContent])),
+};
+"""
+
+
+def require_chromium() -> None:
+    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not Path(p).exists()]
+    if missing:
+        pytest.fail(
+            f"{', '.join(missing)} missing: the browser test needs Debian's chromium and chromium-driver "
+            "(apt-get install -y chromium chromium-driver; `make install` does it). Never a downloaded browser."
+        )
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    require_chromium()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="streamrl-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1400,2600",
+        f"--user-data-dir={profile}",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    driver.set_script_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_tiny_model(tmp_path_factory.mktemp("browser") / "tiny")
+
+
+@pytest.fixture
+async def engine_url(model_dir: Path) -> AsyncIterator[str]:
+    engine = Engine(model_dir, max_running_requests=2, max_context_len=64).start()
+    srv = ServerThread(engine, settings=ServerSettings(request_timeout_s=30, shutdown_timeout_s=5))
+    await asyncio.to_thread(srv.start)
+    yield srv.url
+    await asyncio.to_thread(srv.stop)
+    engine.shutdown(5)
+
+
+def learner_point(step: int) -> dict[str, float]:
+    """One learner step with the trainer's metric names; staleness from the real statistics helper."""
+    versions = [step - 1] * 30 + [step - 2] * (10 + step) + [max(0, step - 3)] * 5
+    stats = staleness_stats(step - 1, versions).as_metrics()
+    return {
+        "step": float(step),
+        "policy_version": float(step),
+        "reward_mean": round(0.2 + 0.05 * step, 4),
+        "reward/correct": round(0.15 + 0.05 * step, 4),
+        "reward/format": 1.0,
+        "loss": 0.3 / step,
+        "entropy": 1.5 - 0.05 * step,
+        "grad_norm": 0.8,
+        "is_weight_mean": 1.0 - 0.005 * step,
+        "is_weight_max": 1.5 + 0.1 * step,
+        "clip_frac": 0.01 * step,
+        "mismatch_abs": 0.002,
+        "trained_tokens_per_s": 1000.0 + 10 * step,
+        "idle_ratio": 0.2,
+        "total/trained": float(16 * step),
+        "total/stale": 2.0,
+        **stats,
+    }
+
+
+async def write_run(client: aioredis.Redis, engine_url: str) -> dict[str, Any]:
+    """What a short run leaves in Redis: learner steps, evaluations, rollout points, stream traffic, the
+    published version and the engine registry. Returns the values the page must show."""
+    learner = MetricsWriter(client, SHARED, "learner")
+    rollout = MetricsWriter(client, SHARED, "rollout")
+    evaluation = MetricsWriter(client, SHARED, "eval")
+    for step in range(1, STEPS + 1):
+        await learner.write(learner_point(step))
+        await rollout.write({"generated_tokens_per_s": 400.0 + step, "idle_ratio": 0.05, "in_flight": 16})
+        if step % 4 == 0:
+            await evaluation.write(
+                {"policy_version": step, "greedy_accuracy": 0.3 + 0.1 * step / 4, "sampled_accuracy": 0.25}
+            )
+    await PolicyVersion(client, SHARED, BROKER).publish(STEPS)
+    await MetricsWriter(client, SharedConfig(run_id="someone-else"), "learner").write({"step": 999.0})
+    producer = Producer(client, SHARED, BROKER, "w0")
+    for i in range(6):
+        await producer.send(synthetic_group(np.random.default_rng(i), prompt_index=i, num_samples=2))
+    assert len(await Consumer(client, SHARED, BROKER, "learner-0").read(count=4)) == 4
+    engine_id = engine_url.removeprefix("http://")
+    entry = {"engine_id": engine_id, "url": engine_url, "ranks": 1, "health": "healthy", "weight_version": 0}
+    await client.hset(SHARED.key("engines"), engine_id, json.dumps(entry))
+    last = learner_point(STEPS)
+    return {"last": last, "engine_id": engine_id, "backlog": 6, "pending": 4, "lag": 2}
+
+
+def wait_for(driver: Any, ready: Any, what: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    state: dict[str, Any] = {}
+
+    def check(d: Any) -> bool:
+        state.update(d.execute_script(READ_PAGE))
+        return bool(ready(state))
+
+    try:
+        WebDriverWait(driver, timeout_s, poll_frequency=0.2).until(check)
+    except Exception as exc:
+        raise AssertionError(f"page never showed {what}; last state: {state}") from exc
+    return state
+
+
+def tile(state: dict[str, Any], name: str) -> float | None:
+    raw = state["tiles"][f"stat-{name}"][0]
+    return None if raw is None else float(raw)
+
+
+async def test_page_shows_the_runs_values_and_updates_live(browser, engine_url: str, redis_url: str) -> None:
+    client = connect(redis_url, BROKER)
+    running = await start_dashboard(client, SHARED, DASH, BROKER, port=0)
+    try:
+        expect = await write_run(client, engine_url)
+        last = expect["last"]
+        await asyncio.to_thread(browser.get, running.url)
+
+        def complete(s: dict[str, Any]) -> bool:
+            engines = {row[0]: row for row in s["engines"]}
+            row = engines.get(expect["engine_id"])
+            return bool(s["ready"] and tile(s, "pending") == expect["pending"] and row and row[3] == "yes")
+
+        state = await asyncio.to_thread(wait_for, browser, complete, "the run's data")
+
+        assert state["run"] == "browser" and state["status"].startswith("live")
+        assert tile(state, "step") == STEPS and state["tiles"]["stat-step"][1] == str(STEPS)
+        assert tile(state, "version") == STEPS
+        assert tile(state, "reward") == last["reward_mean"]
+        assert tile(state, "greedy") == pytest.approx(0.6) and tile(state, "sampled") == 0.25
+        assert tile(state, "generated") == 400.0 + STEPS
+        assert tile(state, "trained") == last["trained_tokens_per_s"]
+        assert tile(state, "staleness") == pytest.approx(last["staleness/mean"])
+        assert (tile(state, "backlog"), tile(state, "pending"), tile(state, "lag")) == (6, 4, 2)
+        assert tile(state, "idle-learner") == 0.2 and tile(state, "idle-rollout") == 0.05
+        assert sorted(state["pills"]) == ["eval", "learner", "rollout"]  # not the other run's
+
+        charts = state["charts"]
+        assert charts["chart-reward"]["lines"]["reward_mean"] == [STEPS, last["reward_mean"]]
+        assert charts["chart-reward"]["lines"]["reward/correct"] == [STEPS, last["reward/correct"]]
+        assert charts["chart-accuracy"]["lines"]["greedy"] == [STEPS // 4, pytest.approx(0.6)]
+        assert charts["chart-accuracy"]["lines"]["sampled"][0] == STEPS // 4
+        assert charts["chart-staleness"]["lines"]["staleness/max"] == [STEPS, last["staleness/max"]]
+        assert charts["chart-staleness"]["lines"]["staleness/mean"][1] == pytest.approx(last["staleness/mean"])
+        assert charts["chart-is"]["lines"]["is_weight_max"] == [STEPS, pytest.approx(last["is_weight_max"])]
+        assert charts["chart-clip"]["lines"]["clip_frac"] == [STEPS, pytest.approx(last["clip_frac"])]
+        assert charts["chart-throughput"]["lines"]["generated"] == [STEPS, 400.0 + STEPS]
+        assert charts["chart-throughput"]["lines"]["trained"][0] == STEPS
+        assert charts["chart-idle"]["lines"]["learner"][0] == STEPS
+        assert charts["chart-stream"]["lines"]["pending"][1] == 4
+        assert charts["chart-loss"]["points"] == 3 * STEPS
+        # The histogram sums the per-step token counts of every loaded step.
+        hist: dict[int, float] = {}
+        for step in range(1, STEPS + 1):
+            for key, n in learner_point(step).items():
+                if key.startswith("staleness/hist/"):
+                    s = int(key.rsplit("/", 1)[1])
+                    hist[s] = hist.get(s, 0) + n
+        assert dict(state["bars"]) == hist
+
+        engines = {row[0]: row for row in state["engines"]}
+        row = engines[expect["engine_id"]]
+        assert row[2] == "healthy" and row[3] == "yes" and row[4] == "0"  # health, reachable, weight version
+        assert state["outcomes"]["learner totals/trained"] == str(16 * STEPS)
+        assert state["outcomes"]["broker/produced"] == "6"
+
+        # Live: a new step and a new version appear without a reload.
+        await MetricsWriter(client, SHARED, "learner").write(learner_point(STEPS + 1))
+        await PolicyVersion(client, SHARED, BROKER).publish(STEPS + 1)
+        state = await asyncio.to_thread(
+            wait_for, browser, lambda s: tile(s, "step") == STEPS + 1 and tile(s, "version") == STEPS + 1, "step 13"
+        )
+        assert state["charts"]["chart-reward"]["lines"]["reward_mean"][0] == STEPS + 1
+
+        ARTIFACTS.mkdir(exist_ok=True)
+        shot = ARTIFACTS / "dashboard.png"
+        shot.unlink(missing_ok=True)
+        assert await asyncio.to_thread(browser.save_screenshot, str(shot))
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+    finally:
+        await running.stop()
+        await client.aclose()
+
+
+async def test_page_of_an_empty_run_loads_and_says_so(browser, redis_url: str) -> None:
+    client = connect(redis_url, BROKER)
+    running = await start_dashboard(client, SharedConfig(run_id="empty"), DASH, BROKER, port=0)
+    try:
+        await asyncio.to_thread(browser.get, running.url)
+        state = await asyncio.to_thread(wait_for, browser, lambda s: s["ready"], "the first poll")
+        assert state["status"].startswith("live")
+        assert state["tiles"]["stat-step"] == [None, "-"] and state["tiles"]["stat-greedy"] == [None, "-"]
+        assert tile(state, "backlog") == 0
+        assert state["charts"]["chart-reward"]["points"] == 0
+        assert state["pills"] == [None]  # the "no role has written metrics yet" pill
+    finally:
+        await running.stop()
+        await client.aclose()
