@@ -1,0 +1,289 @@
+"""``streamrl rollout`` / ``python -m rollout_fleet``: one rollout worker process.
+
+``run_rollout(shared, broker, engine, rollout, groups_per_step)`` runs a worker on a uvloop event loop until
+SIGTERM / SIGINT (it then drains: no new groups, in-flight ones get ``rollout.drain_timeout_s`` to finish, the
+rest are handed back to the dispatch) or until every prompt of ``rollout.max_epochs`` epochs is done. It returns
+the process exit code. ``groups_per_step`` is the learner's (``learner.groups_per_step``): the admission bound
+counts in learner steps.
+
+Engines: ``rollout.engine_urls`` when given (registered in the engine registry); else the registry's engines
+when it has any; else ``engine.count`` engines at ``engine.host:engine.base_port + i``. With
+``rollout.launch_engines`` the worker launches those engines itself (:class:`~rollout_fleet.fleet.Fleet`) and
+stops them on exit. ``rollout.workers`` processes are started by ``streamrl up``; each runs one worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import redis.asyncio as aioredis
+import uvloop
+from pydantic import ConfigDict, Field
+
+from broker.client import connect
+from broker.config import BrokerConfig, SharedConfig
+from broker.configlib import ConfigError, Section, load_config, render_help
+from broker.discovery import RedisNotFound, resolve_redis_url
+from broker.metrics import MetricsWriter
+from broker.producer import Producer
+from broker.staleness import RedisCounters, StalenessManager
+from rollout_fleet.config import EngineConfig, RolloutConfig
+from rollout_fleet.dispatch import DispatchMismatch, PromptDispatcher
+from rollout_fleet.fleet import Fleet, FleetError
+from rollout_fleet.registry import EngineRegistry
+from rollout_fleet.rewards import RewardPool
+from rollout_fleet.router import Router
+from rollout_fleet.tasks import TRAIN, TaskError
+from rollout_fleet.tasks.config import build_task
+from rollout_fleet.worker import RolloutWorker, VersionCache
+
+log = logging.getLogger("streamrl.rollout")
+
+
+def default_worker_id() -> str:
+    """``host-pid-random``, with anything but letters, digits, '.', '_' and '-' replaced (no ':')."""
+    raw = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", raw)
+
+
+def load_tokenizer(path: Path):  # noqa: ANN201 - a transformers tokenizer
+    """The model's tokenizer from a local directory (never the hub)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def tokenizer_path(shared: SharedConfig, engine: EngineConfig, rollout: RolloutConfig) -> Path:
+    path = rollout.tokenizer_path or engine.model_path or shared.model_path
+    if path is None:
+        raise ConfigError("no tokenizer: set rollout.tokenizer_path, engine.model_path or shared.model_path")
+    return Path(path)
+
+
+def scorer_of(rollout: RolloutConfig) -> tuple[str, dict]:
+    """The reward pool's scorer: a custom function by import path, else the task's verifier by name."""
+    if rollout.reward.function:
+        return rollout.reward.function, {}
+    return rollout.task.name, rollout.task.options()
+
+
+async def engine_urls(
+    registry: EngineRegistry, engine: EngineConfig, rollout: RolloutConfig, fleet: Fleet | None
+) -> list[str]:
+    """The engines to register and route to (see the module docstring)."""
+    if fleet is not None:
+        return fleet.urls
+    if rollout.engine_urls:
+        return list(rollout.engine_urls)
+    if await registry.list():
+        return []
+    return [f"http://{engine.host}:{engine.base_port + i}" for i in range(engine.count)]
+
+
+@contextlib.asynccontextmanager
+async def open_worker(
+    shared: SharedConfig,
+    broker: BrokerConfig,
+    engine: EngineConfig,
+    rollout: RolloutConfig,
+    groups_per_step: int,
+    redis_url: str,
+    *,
+    fleet: Fleet | None = None,
+    tokenizer: object | None = None,
+) -> AsyncIterator[RolloutWorker]:
+    """A ready worker (engines registered and probed, reward pool started); everything is closed on exit."""
+    worker_id = rollout.worker_id or default_worker_id()
+    tok = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_path(shared, engine, rollout))
+    task = build_task(rollout.task, tok)
+    client: aioredis.Redis = connect(redis_url, broker)
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    rewards = RewardPool(
+        workers=rollout.reward.workers,
+        timeout_s=rollout.reward.timeout_s,
+        load_timeout_s=rollout.reward.load_timeout_s,
+        start_method=rollout.reward.start_method,
+    )
+    try:
+        registry = EngineRegistry(client, shared)
+        router = Router(
+            session,
+            registry,
+            request_timeout_s=rollout.request_timeout_s,
+            control_timeout_s=shared.http_timeout_s,
+            health_interval_s=rollout.health_interval_s,
+            no_engine_timeout_s=rollout.no_engine_timeout_s,
+        )
+        for url in await engine_urls(registry, engine, rollout, fleet):
+            await registry.register(url, source=f"worker {worker_id}", overwrite=False)
+        await router.refresh()
+        await router.probe_all()
+        versions = VersionCache(client, shared, broker, rollout.version_poll_s)
+        admission = StalenessManager(
+            eta=shared.eta,
+            groups_per_step=groups_per_step,
+            max_concurrent=rollout.max_concurrent_groups * rollout.workers,
+            version_source=versions,
+            counters=RedisCounters(client, shared),
+        )
+        dispatch = PromptDispatcher(
+            client,
+            shared,
+            broker,
+            admission,
+            num_prompts=task.num_prompts(TRAIN),
+            worker_id=worker_id,
+            seed=rollout.shuffle_seed,
+            task=f"{task.name}/{getattr(task, 'version', '')}",
+            lease_ttl_s=rollout.lease_ttl_s,
+            max_epochs=rollout.max_epochs,
+        )
+        scorer, options = scorer_of(rollout)
+        await rewards.start()
+        yield RolloutWorker(
+            shared=shared,
+            rollout=rollout,
+            redis=client,
+            router=router,
+            dispatch=dispatch,
+            admission=admission,
+            versions=versions,
+            producer=Producer(client, shared, broker, producer_id=worker_id),
+            task=task,
+            tokenizer=tok,
+            rewards=rewards,
+            scorer=scorer,
+            scorer_options=options,
+            worker_id=worker_id,
+            metrics=MetricsWriter(client, shared, "rollout", maxlen=broker.metrics_maxlen),
+        )
+    finally:
+        rewards.close()
+        await session.close()
+        await client.aclose()
+
+
+async def _serve(
+    shared: SharedConfig,
+    broker: BrokerConfig,
+    engine: EngineConfig,
+    rollout: RolloutConfig,
+    groups_per_step: int,
+) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    redis_url = await asyncio.to_thread(resolve_redis_url, shared, 60.0)
+    fleet: Fleet | None = None
+    fleet_stop = asyncio.Event()
+    supervisor: asyncio.Task | None = None
+    try:
+        if rollout.launch_engines:
+            fleet = Fleet(shared, engine, EngineRegistry(connect(redis_url, broker), shared))
+            await fleet.start()
+            supervisor = asyncio.create_task(fleet.supervise(fleet_stop))
+        async with open_worker(
+            shared, broker, engine, rollout, groups_per_step, redis_url, fleet=fleet
+        ) as worker:
+            log.info(
+                "worker %s: %d engine(s), group_size %d, eta %d, groups_per_step %d",
+                worker.worker_id,
+                len(worker.router.engines),
+                rollout.group_size,
+                shared.eta,
+                groups_per_step,
+            )
+            stats = await worker.run(stop)
+            log.info(
+                "worker %s stopped: %d groups produced, %d dropped, %d handed back%s",
+                worker.worker_id,
+                stats.groups_produced,
+                sum(stats.groups_dropped.values()),
+                stats.groups_handed_back,
+                " (all epochs done)" if worker.finished else "",
+            )
+    finally:
+        fleet_stop.set()
+        if supervisor is not None:
+            await asyncio.gather(supervisor, return_exceptions=True)
+        if fleet is not None:
+            await fleet.stop()
+            await fleet.registry.client.aclose()  # type: ignore[union-attr]
+    return 0
+
+
+def run_rollout(
+    shared: SharedConfig,
+    broker: BrokerConfig,
+    engine: EngineConfig,
+    rollout: RolloutConfig,
+    groups_per_step: int = 1,
+) -> int:
+    """Run one rollout worker on uvloop until SIGTERM / SIGINT or ``rollout.max_epochs``; the exit code."""
+    if groups_per_step < 1:
+        log.error("groups_per_step = %d: must be >= 1", groups_per_step)
+        return 2
+    try:
+        import torch
+
+        torch.set_num_threads(shared.torch_threads)
+    except ImportError:
+        pass
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(_serve(shared, broker, engine, rollout, groups_per_step))
+    except (ConfigError, TaskError, DispatchMismatch, FleetError, RedisNotFound, OSError) as exc:
+        log.error("rollout worker cannot run: %s", exc)
+        return 2
+
+
+class LearnerView(Section):
+    """The one learner setting the rollout role reads (the rest of a shared config file's section is ignored)."""
+
+    model_config = ConfigDict(extra="ignore", validate_assignment=True)
+
+    groups_per_step: int = Field(
+        8, ge=1, description="Prompt groups the learner consumes per optimizer step."
+    )
+
+
+class RolloutRoleConfig(Section):
+    """The config tree of ``python -m rollout_fleet`` (sections of other roles in a shared file are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", validate_assignment=True)
+
+    shared: SharedConfig = Field(default_factory=SharedConfig, description="Settings every role shares.")
+    broker: BrokerConfig = Field(default_factory=BrokerConfig, description="The trajectory stream transport.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Inference engines.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout workers.")
+    learner: LearnerView = Field(
+        default_factory=LearnerView, description="The learner (admission counts its steps)."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print("usage: python -m rollout_fleet [--config FILE] [--section.field=value ...]\n")
+        print(render_help(RolloutRoleConfig))
+        return 0
+    try:
+        base = {"shared": {"redis_url": os.environ["REDIS_URL"]}} if os.environ.get("REDIS_URL") else None
+        cfg = load_config(RolloutRoleConfig, args, base=base)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(name)s: %(message)s")
+    return run_rollout(cfg.shared, cfg.broker, cfg.engine, cfg.rollout, cfg.learner.groups_per_step)
