@@ -150,6 +150,7 @@ def per_param_sync(model: torch.nn.Module, version: int, sender: WeightSender) -
 
 def run(mode: str, bucket_mb: float) -> tuple[dict, dict, dict]:
     torch.set_num_threads(1)
+    load_before = os.getloadavg()
     spec = MODES[mode]
     model_config = {**BASE_MODEL, **spec["model"]}
     procs, urls = start_engines(model_config, 2)
@@ -209,6 +210,8 @@ def run(mode: str, bucket_mb: float) -> tuple[dict, dict, dict]:
         "gb_per_s": {k: total_bytes / med[k] / 1e9 for k in methods},
         "flattened_ratio_vs_flat_broadcast": med["sync_flattened"] / med["flat_broadcast"],
         "weights_bit_identical": all(s == learner_sum for s in engine_sums),
+        # Other processes on the machine (the 2-core dev box is shared): the noise floor of these numbers.
+        "load_avg_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
     }
     params = {
         "mode": mode,

@@ -115,6 +115,11 @@ def _learner(
             result = sync_weights(model, version, sender)
             report[str(version)] = _observe(model, result, urls, rank)
             _train_step(model, opt, seed=version)
+        # Membership change: the first engine leaves; the group is rebuilt with the second alone.
+        if sender is not None:
+            report["left"] = sender.set_engines(urls[1:])
+        result = sync_weights(model, 3, sender)
+        report["3"] = _observe(model, result, urls, rank)
     else:  # "fault": urls[1] SIGKILLs itself on its 3rd update call
         result = sync_weights(model, 1, sender)
         report["1"] = _observe(model, result, urls[:1], rank)
@@ -202,6 +207,15 @@ def test_sync_two_learner_ranks_to_two_engines(model_dir: Path, engines, tmp_pat
             stats = step["engines"][url]["stats"]
             assert stats["weight_version"] == version and stats["paused"] is None and stats["consistent"]
     assert len({initial, report["1"]["checksum"], report["2"]["checksum"]}) == 3  # each sync changed them
+
+    after = report["3"]  # url_new left the pool: it keeps version 2 and no longer holds the group
+    assert report["left"] == {} and after["result"]["engines_ok"] == [url_old]
+    _assert_serves_learner_weights(after["engines"][url_old], after)
+    assert after["engines"][url_new]["checksum"] == report["2"]["checksum"]
+    assert (
+        after["engines"][url_new]["stats"]["groups"] == []
+        and after["engines"][url_old]["stats"]["groups_joined"] == 2
+    )
 
     new = report["2"]["engines"][url_new]["stats"]
     old = report["2"]["engines"][url_old]["stats"]

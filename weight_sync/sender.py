@@ -358,6 +358,7 @@ class WeightSender:
         self.paused: set[str] = set()
         self.pause_started: float | None = None
         self.pause_ended: float | None = None
+        self.setup_error: str | None = None
         self.syncs = 0
         # Broadcasts given up on, with their buffers: gloo may still read them until the peer goes away.
         self._abandoned: list[tuple[list, list]] = []
@@ -393,7 +394,14 @@ class WeightSender:
         """
         newly: dict[str, str] = {}
         while True:
-            failures = self._build_group(self.healthy)
+            try:
+                failures = self._build_group(self.healthy)
+            except Exception as exc:  # trouble on this side (store port, backend): no engine to blame
+                self.setup_error = f"update group setup failed: {exc!r}"
+                log.error("%s", self.setup_error)
+                self.group, self.members = None, []
+                return newly
+            self.setup_error = None
             if not failures:
                 return newly
             blamed = self._blame(failures)
@@ -507,7 +515,9 @@ class WeightSender:
         state.attempts += 1
         state.bytes += attempt.bytes
         state.buckets += attempt.buckets
-        if not attempt.members:
+        if not attempt.members:  # no group (all quarantined, or it could not be set up): nothing was sent
+            reason = self.setup_error or "not in the update group"
+            state.failed.update({e.url: reason for e in self.healthy})
             return False
         if not attempt.failed:
             failures = self._complete(attempt.members)
@@ -515,10 +525,12 @@ class WeightSender:
                 state.ok = [e.url for e in attempt.members]
                 return False
             attempt.failures.update(failures)
-        blamed = self._blame(attempt.failures) if attempt.failures else {}
-        if not blamed:  # nobody to blame (a local broadcast error): report every member, rebuild, no retry
+        if not attempt.failures:  # a local broadcast error, nobody to blame: report all, rebuild, no retry
             reason = attempt.error or "update failed"
-            blamed = {e.url: reason for e in attempt.members}
+            state.failed.update({e.url: reason for e in attempt.members})
+            self.connect()  # they stay paused with partial weights until a sync goes through
+            return False
+        blamed = self._blame(attempt.failures)
         self._quarantine(blamed)
         state.failed.update(blamed)
         self.connect()  # destroy the broken group, rebuild with the survivors (may quarantine more)
