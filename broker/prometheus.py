@@ -13,7 +13,8 @@ this module exposes such a dict in Prometheus' text format, two ways:
 Names: ``streamrl_<role>_<key>`` with every character outside ``[A-Za-z0-9_:]`` replaced by ``_``
 (``staleness/mean`` -> ``streamrl_learner_staleness_mean``). A key whose last segment is an integer becomes a
 labelled series (``staleness/hist/3`` -> ``streamrl_learner_staleness_hist{bucket="3"}``), so a histogram
-is one metric. String values become ``<name>_info{value="..."} 1``. Every scrape also reports
+is one metric, and so is a per-engine key (``engine/<id>/outstanding`` ->
+``streamrl_rollout_engine_outstanding{engine="<id>"}``). String values become ``<name>_info{value="..."} 1``. Every scrape also reports
 ``streamrl_<role>_source_ok`` (0 when the source raised), so a broken source shows up as a value, not as a
 silent gap.
 """
@@ -42,6 +43,7 @@ AsyncMetricsSource = Callable[[], Values | None | Awaitable[Values | None]]
 
 _BAD = re.compile(r"[^A-Za-z0-9_:]")
 _SEGMENT_INT = re.compile(r"^(?P<base>.+)/(?P<bucket>-?\d+)$")
+_PER_ENGINE = re.compile(r"^engine/(?P<engine>[^/]+)/(?P<name>[^/]+)$")
 _LABEL = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -101,8 +103,14 @@ def families(role: str, values: Values | None, labels: Mapping[str, str] | None 
             continue
         if number is None:
             continue  # lists, dicts, None: not a sample
+        per_engine = _PER_ENGINE.match(key)
         match = _SEGMENT_INT.match(key)
-        if match:
+        if per_engine:
+            name = metric_name(role, f"engine_{per_engine['name']}")
+            fam = gauge(name, f"{role} 'engine/<id>/{per_engine['name']}'", ("engine",))
+            if fam is not None:
+                fam.add_metric([*const.values(), per_engine["engine"]], number)
+        elif match:
             fam = gauge(metric_name(role, match["base"]), f"{role} {match['base']!r} by bucket", ("bucket",))
             if fam is not None:
                 fam.add_metric([*const.values(), match["bucket"]], number)

@@ -146,15 +146,29 @@ def learner_point(step: int) -> dict[str, float]:
     }
 
 
+def rollout_point(step: int, engine_id: str) -> dict[str, float]:
+    """A rollout worker's point with the names rollout_fleet/worker.py writes."""
+    return {
+        "tokens_per_s": 400.0 + step,
+        "groups_per_s": 2.0,
+        "groups_in_flight": 16.0,
+        "wait_capacity_ratio": 0.05,
+        "policy_version": float(step - 1),
+        f"engine/{engine_id}/outstanding": 3.0,
+        f"engine/{engine_id}/healthy": 1.0,
+    }
+
+
 async def write_run(client: aioredis.Redis, engine_url: str) -> dict[str, Any]:
     """What a short run leaves in Redis: learner steps, evaluations, rollout points, stream traffic, the
     published version and the engine registry. Returns the values the page must show."""
+    engine_id = engine_url.removeprefix("http://")
     learner = MetricsWriter(client, SHARED, "learner")
     rollout = MetricsWriter(client, SHARED, "rollout")
     evaluation = MetricsWriter(client, SHARED, "eval")
     for step in range(1, STEPS + 1):
         await learner.write(learner_point(step))
-        await rollout.write({"generated_tokens_per_s": 400.0 + step, "idle_ratio": 0.05, "in_flight": 16})
+        await rollout.write(rollout_point(step, engine_id))
         if step % 4 == 0:
             await evaluation.write(
                 {"policy_version": step, "greedy_accuracy": 0.3 + 0.1 * step / 4, "sampled_accuracy": 0.25}
@@ -165,7 +179,6 @@ async def write_run(client: aioredis.Redis, engine_url: str) -> dict[str, Any]:
     for i in range(6):
         await producer.send(synthetic_group(np.random.default_rng(i), prompt_index=i, num_samples=2))
     assert len(await Consumer(client, SHARED, BROKER, "learner-0").read(count=4)) == 4
-    engine_id = engine_url.removeprefix("http://")
     entry = {"engine_id": engine_id, "url": engine_url, "ranks": 1, "health": "healthy", "weight_version": 0}
     await client.hset(SHARED.key("engines"), engine_id, json.dumps(entry))
     last = learner_point(STEPS)
@@ -226,7 +239,9 @@ async def test_page_shows_the_runs_values_and_updates_live(browser, engine_url: 
         assert charts["chart-accuracy"]["lines"]["greedy"] == [STEPS // 4, pytest.approx(0.6)]
         assert charts["chart-accuracy"]["lines"]["sampled"][0] == STEPS // 4
         assert charts["chart-staleness"]["lines"]["staleness/max"] == [STEPS, last["staleness/max"]]
-        assert charts["chart-staleness"]["lines"]["staleness/mean"][1] == pytest.approx(last["staleness/mean"])
+        assert charts["chart-staleness"]["lines"]["staleness/mean"][1] == pytest.approx(
+            last["staleness/mean"]
+        )
         assert charts["chart-is"]["lines"]["is_weight_max"] == [STEPS, pytest.approx(last["is_weight_max"])]
         assert charts["chart-clip"]["lines"]["clip_frac"] == [STEPS, pytest.approx(last["clip_frac"])]
         assert charts["chart-throughput"]["lines"]["generated"] == [STEPS, 400.0 + STEPS]
@@ -246,6 +261,7 @@ async def test_page_shows_the_runs_values_and_updates_live(browser, engine_url: 
         engines = {row[0]: row for row in state["engines"]}
         row = engines[expect["engine_id"]]
         assert row[2] == "healthy" and row[3] == "yes" and row[4] == "0"  # health, reachable, weight version
+        assert row[7] == "3"  # requests the rollout workers have outstanding on it
         assert state["outcomes"]["learner totals/trained"] == str(16 * STEPS)
         assert state["outcomes"]["broker/produced"] == "6"
 
@@ -253,7 +269,10 @@ async def test_page_shows_the_runs_values_and_updates_live(browser, engine_url: 
         await MetricsWriter(client, SHARED, "learner").write(learner_point(STEPS + 1))
         await PolicyVersion(client, SHARED, BROKER).publish(STEPS + 1)
         state = await asyncio.to_thread(
-            wait_for, browser, lambda s: tile(s, "step") == STEPS + 1 and tile(s, "version") == STEPS + 1, "step 13"
+            wait_for,
+            browser,
+            lambda s: tile(s, "step") == STEPS + 1 and tile(s, "version") == STEPS + 1,
+            "step 13",
         )
         assert state["charts"]["chart-reward"]["lines"]["reward_mean"][0] == STEPS + 1
 
@@ -278,6 +297,30 @@ async def test_page_of_an_empty_run_loads_and_says_so(browser, redis_url: str) -
         assert tile(state, "backlog") == 0
         assert state["charts"]["chart-reward"]["points"] == 0
         assert state["pills"] == [None]  # the "no role has written metrics yet" pill
+    finally:
+        await running.stop()
+        await client.aclose()
+
+
+async def test_rollout_workers_with_a_role_each_add_up_before_the_learner_starts(
+    browser, redis_url: str
+) -> None:
+    client = connect(redis_url, BROKER)
+    shared = SharedConfig(run_id="workers")
+    running = await start_dashboard(client, shared, DASH, BROKER, port=0)
+    try:
+        for i, (tps, idle) in enumerate([(300.0, 0.5), (200.0, 0.25)]):
+            await MetricsWriter(client, shared, f"rollout-{i}").write(
+                {"tokens_per_s": tps, "wait_capacity_ratio": idle, "groups_in_flight": 4.0}
+            )
+        await asyncio.to_thread(browser.get, running.url)
+        state = await asyncio.to_thread(
+            wait_for, browser, lambda s: s["ready"] and len(s["pills"]) == 2, "2 roles"
+        )
+        assert tile(state, "generated") == 500.0 and tile(state, "idle-rollout") == 0.375
+        assert state["tiles"]["stat-step"] == [None, "-"]  # no learner yet: shown as absent, not as 0
+        lines = state["charts"]["chart-throughput"]["lines"]
+        assert lines["generated rollout-0"] == [1, 300.0] and lines["generated rollout-1"] == [1, 200.0]
     finally:
         await running.stop()
         await client.aclose()

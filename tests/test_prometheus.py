@@ -54,6 +54,10 @@ def test_names_follow_prometheus_rules_and_integer_suffixes_become_buckets() -> 
     assert metric_name("rollout", "engine.0-outstanding") == "streamrl_rollout_engine_0_outstanding"
     text = render("learner", {"staleness/hist/0": 5, "staleness/hist/12": 2, "loss": 0.25, "reward_mean": 1})
     got = samples(text.decode())
+    per_engine = {"engine/127.0.0.1:30000/outstanding": 3, "engine/127.0.0.1:30001/outstanding": 5}
+    got_engines = samples(render("rollout", per_engine).decode())
+    assert got_engines[("streamrl_rollout_engine_outstanding", (("engine", "127.0.0.1:30000"),))] == 3
+    assert got_engines[("streamrl_rollout_engine_outstanding", (("engine", "127.0.0.1:30001"),))] == 5
     assert got[("streamrl_learner_staleness_hist", (("bucket", "0"),))] == 5
     assert got[("streamrl_learner_staleness_hist", (("bucket", "12"),))] == 2
     assert got[("streamrl_learner_loss", ())] == 0.25

@@ -16,11 +16,12 @@ const K = {
   generated: ["generated_tokens_per_s", "gen_tokens_per_s", "output_tokens_per_s", "tokens_per_s"],
   trained: ["trained_tokens_per_s"],
   groupsPerS: ["groups_per_s"],
-  inFlight: ["in_flight", "inflight", "running_groups"],
+  inFlight: ["groups_in_flight", "in_flight"],
   greedy: ["greedy_accuracy", "accuracy/greedy", "eval/greedy_accuracy"],
   sampled: ["sampled_accuracy", "accuracy/sampled", "eval/sampled_accuracy"],
   version: ["policy_version", "version"],
   idle: ["idle_ratio"],
+  rolloutIdle: ["idle_ratio", "wait_capacity_ratio"],
 };
 
 const COLORS = ["#2f6fde", "#e0632a", "#1f9d55", "#9b4dca", "#c53030", "#0e9aa7", "#b8860b", "#6b7385"];
@@ -64,6 +65,23 @@ function pickKey(role, candidates) {
     if (pts.some((p) => k in p.values)) return k;
   }
   return null;
+}
+
+// Rollout workers write to "rollout" or to one role each ("rollout-0", "rollout-1", ...): tiles add them up.
+function rolloutRoles() {
+  return S.summary ? Object.keys(S.summary.roles).filter((r) => /^rollout([-_.].*)?$/.test(r)).sort() : [];
+}
+
+function rolloutTotal(candidates, mean = false) {
+  const vals = rolloutRoles().map((r) => value(r, candidates)).filter((v) => typeof v === "number");
+  if (!vals.length) return null;
+  const sum = vals.reduce((a, b) => a + b, 0);
+  return mean ? sum / vals.length : sum;
+}
+
+function rolloutSeries(name, candidates) {
+  const roles = rolloutRoles();
+  return roles.map((r) => ({ name: roles.length === 1 ? name : `${name} ${r}`, label: `${name} (${r})`, pts: column(r, pickKey(r, candidates), "ts") }));
 }
 
 function value(role, candidates) {
@@ -208,7 +226,7 @@ const TILES = [
   { id: "reward", label: "training reward", get: () => value("learner", ["reward_mean"]) },
   { id: "greedy", label: "held-out greedy acc.", get: () => value("eval", K.greedy), sub: () => evalSub() },
   { id: "sampled", label: "held-out sampled acc.", get: () => value("eval", K.sampled), sub: () => evalSub() },
-  { id: "generated", label: "generated tok/s", get: () => value("rollout", K.generated) },
+  { id: "generated", label: "generated tok/s", get: () => rolloutTotal(K.generated), sub: () => inFlightSub() },
   { id: "trained", label: "trained tok/s", get: () => value("learner", K.trained) },
   { id: "staleness", label: "staleness mean", get: () => value("learner", ["staleness/mean"]),
     sub: () => { const l = latest("learner"); return l && "staleness/max" in l ? `max ${fmt(l["staleness/max"])} · eta ${S.summary.eta}` : ""; } },
@@ -216,8 +234,13 @@ const TILES = [
   { id: "pending", label: "pending entries", get: () => brokerSample("pending") },
   { id: "lag", label: "undelivered (lag)", get: () => brokerSample("lag") },
   { id: "idle-learner", label: "learner idle ratio", get: () => value("learner", K.idle) },
-  { id: "idle-rollout", label: "rollout idle ratio", get: () => value("rollout", K.idle) },
+  { id: "idle-rollout", label: "rollout idle ratio", get: () => rolloutTotal(K.rolloutIdle, true) },
 ];
+
+function inFlightSub() {
+  const n = rolloutTotal(K.inFlight);
+  return n === null ? "" : `${fmt(n)} groups in flight`;
+}
 
 function evalSub() {
   const v = value("eval", K.version);
@@ -285,7 +308,7 @@ function renderCharts() {
     { name: "sampled", label: "sampled", pts: column("eval", pickKey("eval", K.sampled), vKey) },
   ], { xLabel: "policy version", yZero: true, yMax: 1, xInt: true, empty: "no held-out evaluation yet" });
   lineChart("chart-throughput", [
-    { name: "generated", label: "generated (rollout)", pts: column("rollout", pickKey("rollout", K.generated), "ts") },
+    ...rolloutSeries("generated", K.generated),
     { name: "trained", label: "trained (learner)", pts: column("learner", "trained_tokens_per_s", "ts") },
   ], { xTime: true, yZero: true });
   lineChart("chart-staleness", ["min", "mean", "max"].map((k) => ({ name: `staleness/${k}`, label: k, pts: column("learner", `staleness/${k}`, "step") })),
@@ -301,7 +324,7 @@ function renderCharts() {
     { xLabel: "step", yZero: true, xInt: true });
   lineChart("chart-idle", [
     { name: "learner", label: "learner", pts: column("learner", "idle_ratio", "ts") },
-    { name: "rollout", label: "rollout", pts: column("rollout", pickKey("rollout", K.idle), "ts") },
+    ...rolloutSeries("rollout", K.rolloutIdle),
   ], { xTime: true, yZero: true, yMax: 1 });
   lineChart("chart-loss", ["loss", "entropy", "grad_norm"].map((k) => ({ name: k, label: k, pts: column("learner", k, "step") })),
     { xLabel: "step", xInt: true });
@@ -317,10 +340,12 @@ function renderEngines() {
     return `<tr data-engine="${esc(e.engine_id)}"><td title="${esc(e.url)}">${esc(e.engine_id)}</td>` +
       `<td class="health-${esc(health)}">${esc(health)}</td><td class="${reach}">${reach}</td>` +
       `<td class="num weight-version">${esc(String(version))}</td><td class="num">${esc(fmt(e.running))}</td>` +
-      `<td class="num">${esc(fmt(e.waiting))}</td><td class="num">${esc(fmt(e.gen_throughput))}</td>` +
+      `<td class="num">${esc(fmt(e.waiting))}</td>` +
+      `<td class="num outstanding">${esc(fmt(rolloutTotal([`engine/${e.engine_id}/outstanding`])))}</td>` +
+      `<td class="num">${esc(fmt(e.gen_throughput))}</td>` +
       `<td>${esc(seen)}</td><td title="${esc(err)}">${esc(err.slice(0, 60))}</td></tr>`;
   });
-  document.querySelector("#engines tbody").innerHTML = rows.join("") || `<tr><td colspan="9">no engine registered or configured</td></tr>`;
+  document.querySelector("#engines tbody").innerHTML = rows.join("") || `<tr><td colspan="10">no engine registered or configured</td></tr>`;
 }
 
 function renderOutcomes() {
