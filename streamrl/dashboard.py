@@ -172,7 +172,9 @@ class DashboardState:
         self.broker_latest: dict[str, Any] | None = None
         self.broker_error = ""
         self.engines: dict[str, EngineView] = {}
-        self._sample_seq = 0
+        # Broker sample ids start at the start time in ms, so a restarted dashboard's ids exceed the old ones
+        # and an open page keeps polling with its last id (at most 5 samples a second: refresh_s >= 0.2).
+        self._sample_seq = int(time.time() * 1000)
         self._roles: tuple[float, list[str]] = (0.0, [])
         self._http: aiohttp.ClientSession | None = None
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,79 +29,21 @@ from rollout_fleet.engine.server import ServerSettings, ServerThread
 from rollout_fleet.model import init_tiny_model
 from streamrl.config import DashboardConfig
 from streamrl.dashboard import start_dashboard
+from tests.dashboard_page import chromium, screenshot, tile, wait_for
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(90)
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 SHARED = SharedConfig(run_id="browser", eta=2)
 BROKER = BrokerConfig(block_ms=20, retry_attempts=2, socket_timeout_s=2)
 DASH = DashboardConfig(refresh_s=0.3, history_points=500, probe_timeout_s=1.0)
 STEPS = 12
 
-# Everything the page shows, read from the DOM in one call.
-READ_PAGE = """
-const attrs = (sel, f) => [...document.querySelectorAll(sel)].map(f);
-return {
-  ready: document.body.dataset.ready || null,
-  status: document.getElementById('status').textContent,
-  run: document.getElementById('run-id').textContent,
-  tiles: Object.fromEntries(attrs('.tile .value', e => [e.id, [e.dataset.value ?? null, e.textContent]])),
-  charts: Object.fromEntries(attrs('figure.chart', f => [f.id, {
-    points: Number(f.dataset.points || 0),
-    lines: Object.fromEntries([...f.querySelectorAll('path.line')].map(
-      p => [p.dataset.name, [Number(p.dataset.count), Number(p.dataset.last)]])),
-  }])),
-  bars: attrs('#chart-staleness-hist rect.bar', r => [Number(r.dataset.bucket), Number(r.dataset.count)]),
-  engines: attrs('#engines tbody tr', tr => [tr.dataset.engine || null, ...[...tr.cells].map(c => c.textContent)]),
-  pills: attrs('#roles .pill', p => p.dataset.role || null),
-  outcomes: Object.fromEntries(attrs('#outcomes tr[data-key]', tr => [tr.dataset.key, tr.cells[2].textContent])),
-};
-"""
-
-
-def require_chromium() -> None:
-    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not Path(p).exists()]
-    if missing:
-        pytest.fail(
-            f"{', '.join(missing)} missing: the browser test needs Debian's chromium and chromium-driver "
-            "(apt-get install -y chromium chromium-driver; `make install` does it). Never a downloaded browser."
-        )
-
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    require_chromium()
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    profile = tempfile.mkdtemp(prefix="streamrl-chromium-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--window-size=1400,2600",
-        f"--user-data-dir={profile}",
-    ):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(30)
-    driver.set_script_timeout(30)
-    try:
+    with chromium() as driver:
         yield driver
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -185,27 +125,6 @@ async def write_run(client: aioredis.Redis, engine_url: str) -> dict[str, Any]:
     return {"last": last, "engine_id": engine_id, "backlog": 6, "pending": 4, "lag": 2}
 
 
-def wait_for(driver: Any, ready: Any, what: str, timeout_s: float = 30.0) -> dict[str, Any]:
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    state: dict[str, Any] = {}
-
-    def check(d: Any) -> bool:
-        state.update(d.execute_script(READ_PAGE))
-        return bool(ready(state))
-
-    try:
-        WebDriverWait(driver, timeout_s, poll_frequency=0.2).until(check)
-    except Exception as exc:
-        raise AssertionError(f"page never showed {what}; last state: {state}") from exc
-    return state
-
-
-def tile(state: dict[str, Any], name: str) -> float | None:
-    raw = state["tiles"][f"stat-{name}"][0]
-    return None if raw is None else float(raw)
-
-
 async def test_page_shows_the_runs_values_and_updates_live(browser, engine_url: str, redis_url: str) -> None:
     client = connect(redis_url, BROKER)
     running = await start_dashboard(client, SHARED, DASH, BROKER, port=0)
@@ -276,11 +195,7 @@ async def test_page_shows_the_runs_values_and_updates_live(browser, engine_url: 
         )
         assert state["charts"]["chart-reward"]["lines"]["reward_mean"][0] == STEPS + 1
 
-        ARTIFACTS.mkdir(exist_ok=True)
-        shot = ARTIFACTS / "dashboard.png"
-        shot.unlink(missing_ok=True)
-        assert await asyncio.to_thread(browser.save_screenshot, str(shot))
-        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+        await asyncio.to_thread(screenshot, browser, "dashboard.png")
     finally:
         await running.stop()
         await client.aclose()
