@@ -41,8 +41,12 @@ class EngineHttp:
 
     async def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            # No pooling limit: one update call per engine is in flight at a time, plus control calls.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            # No pooling limit: one update call per engine is in flight at a time, plus control calls. Idle
+            # connections are dropped after 3 s, before a server's own keep-alive timeout (uvicorn, which serves
+            # SGLang, closes them after 5 s): reusing one the server has closed fails the request, and a failed
+            # pause at the start of a sync would quarantine a healthy engine.
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
+            self._session = aiohttp.ClientSession(connector=connector)
         return self._session
 
     async def _request(self, method: str, url: str, body: Any, timeout_s: float) -> Reply:

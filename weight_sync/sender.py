@@ -124,9 +124,9 @@ def iter_full_tensors(
 
 
 class BufferPool:
-    """Pack buffers reused across buckets and syncs: on CPU a fresh multi-MB buffer costs a page fault per 4 KiB
-    every time (glibc maps and unmaps it), which was a third of a sync; on GPU this is what the caching
-    allocator does anyway. ``count`` = 3: one in flight, one queued, one being packed."""
+    """Pack buffers reused across buckets and syncs: on CPU a fresh multi-MB buffer page-faults on every 4 KiB
+    each time (glibc maps and unmaps big buffers); on GPU the caching allocator does this anyway. ``count`` = 3:
+    one in flight, one queued, one being packed."""
 
     def __init__(self, nbytes: int, device: torch.device, count: int = 3) -> None:
         self.nbytes, self.device = nbytes, device
@@ -417,6 +417,8 @@ class WeightSender:
         self.engines = new
         keep = {e.url for e in new}
         self.quarantined = {u: r for u, r in self.quarantined.items() if u in keep}
+        self.paused &= keep
+        self.sessions &= keep
         return self.connect()
 
     def _build_group(self, members: list[EngineSpec]) -> dict[str, Reply]:
