@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ import torch
 from broker.client import connect
 from broker.config import BrokerConfig, SharedConfig
 from broker.consumer import Consumer
-from broker.metrics import MetricsWriter
+from broker.metrics import MetricsReader, MetricsWriter
 from broker.producer import Producer
 from broker.record import synthetic_group
 from broker.staleness import staleness_stats
@@ -30,6 +32,7 @@ from rollout_fleet.model import init_tiny_model
 from streamrl.config import DashboardConfig
 from streamrl.dashboard import start_dashboard
 from tests.dashboard_page import chromium, screenshot, tile, wait_for
+from tests.synth import sample_groups
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(90)
@@ -237,5 +240,60 @@ async def test_rollout_workers_with_a_role_each_add_up_before_the_learner_starts
         lines = state["charts"]["chart-throughput"]["lines"]
         assert lines["generated rollout-0"] == [1, 300.0] and lines["generated rollout-1"] == [1, 200.0]
     finally:
+        await running.stop()
+        await client.aclose()
+
+
+async def test_page_follows_a_real_learner_run(
+    browser, model_dir: Path, redis_url: str, tmp_path: Path
+) -> None:
+    """A real learner process (1 rank, 2 steps on groups sampled from the tiny model) writes its metrics while
+    the page is open: every learner tile and chart shows what the learner wrote, under the learner's names."""
+    shared = SharedConfig(run_id="real", eta=2)
+    groups = sample_groups(str(model_dir), 8, 4, version=0, run_id="real")
+    client = connect(redis_url, BROKER)
+    producer = Producer(client, shared, BROKER, "synth")
+    for g in groups:
+        await producer.send(g)
+    running = await start_dashboard(client, shared, DASH, BROKER, port=0)
+    args = [
+        sys.executable, "-m", "learner", f"--shared.run_dir={tmp_path / 'run'}", f"--shared.redis_url={redis_url}",
+        f"--shared.model_path={model_dir}", "--shared.run_id=real", "--shared.eta=2", "--learner.world_size=1",
+        "--learner.groups_per_step=4", "--learner.wandb_mode=disabled", "--learner.max_steps=2",
+        "--learner.micro_batch_tokens=256", "--learner.export_hf=false",
+    ]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        await asyncio.to_thread(browser.get, running.url)
+        out, _ = await asyncio.to_thread(proc.communicate, timeout=75)
+        assert proc.returncode == 0, out
+        points = await MetricsReader(client, shared).read("learner")
+        assert [p["step"] for _, p in points] == [1.0, 2.0]
+        last = points[-1][1]
+        state = await asyncio.to_thread(
+            wait_for,
+            browser,
+            lambda s: tile(s, "step") == 2 and tile(s, "version") == 2,
+            "the learner's step 2",
+        )
+        for name, key in [("reward", "reward_mean"), ("trained", "trained_tokens_per_s"),
+                          ("staleness", "staleness/mean"), ("idle-learner", "idle_ratio")]:  # fmt: skip
+            assert tile(state, name) == pytest.approx(last[key]), name
+        charts = state["charts"]
+        assert charts["chart-reward"]["lines"]["reward_mean"] == [2, pytest.approx(last["reward_mean"])]
+        for chart, series in [("chart-staleness", "staleness/max"), ("chart-is", "is_weight_mean"),
+                              ("chart-clip", "clip_frac"), ("chart-loss", "loss"), ("chart-idle", "learner"),
+                              ("chart-throughput", "trained")]:  # fmt: skip
+            assert charts[chart]["lines"][series][0] == 2, (chart, series)
+        tokens = sum(v for k, v in last.items() if k.startswith("staleness/hist/"))
+        assert sum(n for _, n in state["bars"]) == tokens + sum(
+            v for k, v in points[0][1].items() if k.startswith("staleness/hist/")
+        )
+        assert state["outcomes"]["learner totals/trained"] == str(int(last["total/trained"]))
+        await asyncio.to_thread(screenshot, browser, "dashboard-learner.png")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
         await running.stop()
         await client.aclose()

@@ -121,10 +121,11 @@ function fmtAge(seconds) {
   return `${(seconds / 3600).toFixed(1)} h ago`;
 }
 
-function clock(ts, fraction = false) {
-  const d = new Date(ts * 1000);
-  const hms = d.toTimeString().slice(0, 8);
-  return fraction ? `${hms}.${String(Math.floor((ts % 1) * 10))}` : hms;
+// hh:mm:ss, with as many decimals of a second as a tick step below one second needs.
+function clock(ts, step = 1) {
+  const hms = new Date(ts * 1000).toTimeString().slice(0, 8);
+  const decimals = step < 1 ? Math.min(3, Math.ceil(-Math.log10(step) - 1e-9)) : 0;
+  return decimals ? `${hms}${(ts % 1).toFixed(decimals).slice(1)}` : hms;
 }
 
 function esc(text) {
@@ -160,9 +161,9 @@ function frame(xs, ys, opts) {
     grid += `<text class="axis" x="${M.l - 4}" y="${sy(t) + 3}" text-anchor="end">${esc(fmt(t))}</text>`;
   }
   const xt = opts.xTime ? niceTicks(x0, x1, 5) : niceTicks(x0, x1, 6).filter((t) => !opts.xInt || Number.isInteger(t));
-  const sub = opts.xTime && xt.length > 1 && xt[1] - xt[0] < 1;
+  const step = xt.length > 1 ? xt[1] - xt[0] : 1;
   for (const t of xt) {
-    const label = opts.xTime ? clock(t, sub) : fmt(t);
+    const label = opts.xTime ? clock(t, step) : fmt(t);
     grid += `<text class="axis" x="${sx(t)}" y="${H - M.b + 13}" text-anchor="middle">${esc(label)}</text>`;
   }
   const xLabel = opts.xTime ? "time" : opts.xLabel;
