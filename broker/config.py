@@ -98,3 +98,17 @@ class BrokerConfig(Section):
     metrics_maxlen: int = Field(
         10_000, ge=1, description="Approximate length cap of each per-role metrics stream (metrics only)."
     )
+    inline_max_bytes: int = Field(
+        65_536,
+        ge=0,
+        description="Payloads up to this size go inside the stream entry; larger ones in a key beside it.",
+    )
+    payload_ttl_s: int = Field(
+        300,
+        ge=1,
+        description="Expiry of a stored payload until its entry is added (a crashed send leaves none).",
+    )
+    tune_allocator: bool = Field(
+        True,
+        description="Let glibc keep freed payload-sized buffers for reuse (see broker.client.tune_allocator).",
+    )

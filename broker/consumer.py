@@ -39,27 +39,35 @@ from broker.record import KNOWN_SCHEMA_VERSIONS, RecordError, TrajectoryGroup
 
 _ACK = """
 -- KEYS: 1 stream, 2 backlog counter, 3 group-id hash, 4 acked set, 5 counters hash
--- ARGV: 1 consumer group, 2 mode ('ack' | 'dup'), 3 counts backlog ('1' | '0'), 4 n, n ids, n group ids
+-- ARGV: 1 consumer group, 2 mode ('ack' | 'dup'), 3 primary group ('1' | '0'), 4 n,
+--       n ids, n group ids, n payload keys ('' when unknown: read from the entry)
 local n = tonumber(ARGV[4])
 local done, counted = 0, 0
 for i = 1, n do
-  local id, gid = ARGV[4 + i], ARGV[4 + n + i]
+  local id, gid, ref = ARGV[4 + i], ARGV[4 + n + i], ARGV[4 + 2 * n + i]
   if redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
     done = done + 1
     if gid == '' then
       local e = redis.call('XRANGE', KEYS[1], id, id)
       if #e == 1 then
         local f = e[1][2]
-        for j = 1, #f, 2 do if f[j] == 'gid' then gid = f[j + 1] end end
+        for j = 1, #f, 2 do
+          if f[j] == 'gid' then gid = f[j + 1] end
+          if f[j] == 'ref' then ref = f[j + 1] end
+        end
       end
     end
     if gid ~= '' then
       if ARGV[2] == 'ack' then redis.call('SADD', KEYS[4], gid) end
-      if redis.call('HGET', KEYS[3], gid) == id then counted = counted + 1 end
+      -- only the entry the producer script added counts in the backlog and owns its payload key
+      if ARGV[3] == '1' and redis.call('HGET', KEYS[3], gid) == id then
+        counted = counted + 1
+        if ref ~= '' then redis.call('UNLINK', ref) end
+      end
     end
   end
 end
-if ARGV[3] == '1' and counted > 0 then redis.call('DECRBY', KEYS[2], counted) end
+if counted > 0 then redis.call('DECRBY', KEYS[2], counted) end
 if done > 0 then
   redis.call('HINCRBY', KEYS[5], ARGV[2] == 'ack' and 'acknowledged' or 'duplicates', done)
 end
@@ -69,16 +77,17 @@ return done
 _DEAD_LETTER = """
 -- KEYS: 1 stream, 2 dead-letter stream, 3 backlog counter, 4 group-id hash, 5 counters hash
 -- ARGV: 1 consumer group, 2 entry id, 3 group id or '', 4 reason, 5 error, 6 consumer, 7 deliveries,
---       8 counts backlog, 9.. raw field name/value pairs
+--       8 primary group ('1' | '0'), 9 payload key or '', 10.. raw field name/value pairs
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 local t = redis.call('TIME')
 local fields = {'reason', ARGV[4], 'error', ARGV[5], 'entry_id', ARGV[2], 'gid', ARGV[3],
   'consumer_group', ARGV[1], 'consumer', ARGV[6], 'deliveries', ARGV[7],
   'ts', t[1] .. '.' .. string.format('%06d', tonumber(t[2]))}
-for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 10, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('XADD', KEYS[2], '*', unpack(fields))
 if ARGV[8] == '1' and ARGV[3] ~= '' and redis.call('HGET', KEYS[4], ARGV[3]) == ARGV[2] then
   redis.call('DECR', KEYS[3])
+  if ARGV[9] ~= '' then redis.call('UNLINK', ARGV[9]) end
 end
 redis.call('HINCRBY', KEYS[5], 'dead_lettered', 1)
 redis.call('HINCRBY', KEYS[5], 'dead_lettered:' .. ARGV[4], 1)
@@ -169,31 +178,41 @@ def classify(exc: RecordError) -> str:
     return "invalid"
 
 
-def _check_entry(
-    fields: dict[bytes, bytes], decoder: Callable[[bytes], TrajectoryGroup] = decode
-) -> tuple[str, TrajectoryGroup | _Bad]:
-    """Decode and validate one raw entry: (group id or '', the group or why it is bad)."""
-    gid = _text(fields.get(b"gid", b""))
-    missing = [k for k in ("v", "gid", "d") if k.encode() not in fields]
+@dataclass
+class _Entry:
+    """One raw stream entry with its payload (inline, or fetched from its key; None if that key is gone)."""
+
+    entry_id: str
+    fields: dict[bytes, bytes]
+    gid: str
+    ref: str  # payload key, '' for inline payloads
+    payload: bytes | None
+    deliveries: int
+
+
+def _check_entry(e: _Entry, decoder: Callable[[bytes], TrajectoryGroup] = decode) -> TrajectoryGroup | _Bad:
+    """Decode and validate one raw entry: the group, or why it is bad."""
+    fields = e.fields
+    missing = [k for k in ("v", "gid") if k.encode() not in fields]
+    if b"d" not in fields and b"ref" not in fields:
+        missing.append("d")
     if missing:
-        return gid, _Bad(
-            "missing_field", f"entry field(s) {missing} missing; has {sorted(map(_text, fields))}"
-        )
+        return _Bad("missing_field", f"entry field(s) {missing} missing; has {sorted(map(_text, fields))}")
     try:
         version = int(fields[b"v"])
     except ValueError:
-        return gid, _Bad("schema_version", f"entry field v = {fields[b'v']!r}: not an int")
+        return _Bad("schema_version", f"entry field v = {fields[b'v']!r}: not an int")
     if version not in KNOWN_SCHEMA_VERSIONS:
-        return gid, _Bad("schema_version", f"entry field v = {version}: unknown schema version")
+        return _Bad("schema_version", f"entry field v = {version}: unknown schema version")
+    if e.payload is None:
+        return _Bad("missing_payload", f"payload key {e.ref!r} does not exist")
     try:
-        group = decoder(fields[b"d"])
+        group = decoder(e.payload)
     except RecordError as exc:
-        return gid, _Bad(classify(exc), str(exc))
-    if group.group_id != gid:
-        return gid, _Bad(
-            "invalid", f"entry field gid = {gid!r} differs from the payload's {group.group_id!r}"
-        )
-    return gid, group
+        return _Bad(classify(exc), str(exc))
+    if group.group_id != e.gid:
+        return _Bad("invalid", f"entry field gid = {e.gid!r} differs from the payload's {group.group_id!r}")
+    return group
 
 
 class Consumer:
@@ -223,7 +242,7 @@ class Consumer:
         self._dead_letter = client.register_script(_DEAD_LETTER)
         self._drop = client.register_script(_DROP)
         self._trim = client.register_script(_TRIM)
-        self._handed: dict[str, str] = {}  # entry id -> group id: handed out, not yet acknowledged
+        self._handed: dict[str, tuple[str, str]] = {}  # entry id -> (group id, payload key): not yet acked
         self._handed_gids: dict[str, str] = {}  # group id -> entry id
         self._seen_connects = -1  # connection count at the last recovery; -1: never recovered
         self._claim_cursor = "0-0"
@@ -319,61 +338,66 @@ class Consumer:
         return await self._process(entries, counts)
 
     async def _process(self, entries: list[tuple[Any, dict]], counts: dict[str, int]) -> list[Delivery]:
-        """Decode, validate, dead-letter the bad, acknowledge duplicates, hand out the rest."""
-        good: list[tuple[str, TrajectoryGroup, int, int]] = []
-        nbytes = 0
+        """Fetch payloads, acknowledge duplicates, dead-letter the bad, hand out the rest - in stream order."""
+        batch = await self._fetch(entries, counts)
+        out: list[Delivery] = []
+        dups: list[_Entry] = []
+        given: set[str] = set()
+        for e, was_acked in batch:
+            held = self._handed_gids.get(e.gid)
+            if e.gid and (was_acked or (held is not None and held != e.entry_id) or e.gid in given):
+                dups.append(e)
+                continue
+            checked = _check_entry(e, self.decoder)
+            if not isinstance(checked, _Bad) and e.deliveries > self.config.max_deliveries:
+                checked = _Bad("max_deliveries", f"delivered {e.deliveries} times > max_deliveries")
+            if isinstance(checked, _Bad):
+                await self._to_dead_letter(e, checked)
+                continue
+            given.add(e.gid)
+            out.append(Delivery(e.entry_id, checked, e.deliveries, len(e.payload or b"")))
+            self._handed[e.entry_id] = (e.gid, e.ref)
+            self._handed_gids[e.gid] = e.entry_id
+        if dups:
+            await self._run_ack(
+                [e.entry_id for e in dups], [e.gid for e in dups], [""] * len(dups), mode="dup"
+            )
+        return out
+
+    async def _fetch(
+        self, entries: list[tuple[Any, dict]], counts: dict[str, int]
+    ) -> list[tuple[_Entry, bool]]:
+        """One round trip: payloads stored by reference, which group ids were already acknowledged, counters."""
+        batch = []
         for raw_id, fields in entries:
             entry_id = _text(raw_id)
-            size = len(fields.get(b"d", b""))
-            nbytes += size
-            deliveries = counts.get(entry_id, 1)
-            gid, checked = _check_entry(fields, self.decoder)
-            if isinstance(checked, _Bad):
-                await self._to_dead_letter(entry_id, gid, checked, deliveries, fields)
-            elif deliveries > self.config.max_deliveries:
-                bad = _Bad("max_deliveries", f"delivered {deliveries} times > max_deliveries")
-                await self._to_dead_letter(entry_id, gid, bad, deliveries, fields)
-            else:
-                good.append((entry_id, checked, deliveries, size))
-        out = await self._drop_duplicates(good, len(entries), nbytes)
-        for d in out:
-            self._handed[d.entry_id] = d.group.group_id
-            self._handed_gids[d.group.group_id] = d.entry_id
-        return out
-
-    async def _drop_duplicates(
-        self, good: list[tuple[str, TrajectoryGroup, int, int]], n_read: int, nbytes: int
-    ) -> list[Delivery]:
+            gid = _text(fields.get(b"gid", b""))
+            ref = _text(fields.get(b"ref", b"")) if b"d" not in fields else ""
+            batch.append(_Entry(entry_id, fields, gid, ref, fields.get(b"d"), counts.get(entry_id, 1)))
+        nbytes = sum(len(e.payload) if e.payload is not None else int(e.fields.get(b"n", 0)) for e in batch)
         pipe = self.client.pipeline(transaction=False)
-        if good:
-            pipe.smismember(self.keys.acked(self.group_name), [g.group_id for _, g, _, _ in good])
-        pipe.hincrby(self.keys.counters, "consumed", n_read)
+        refs = [e for e in batch if e.ref]
+        for e in refs:
+            pipe.get(e.ref)
+        gids = [e.gid for e in batch]
+        if gids:
+            pipe.smismember(self.keys.acked(self.group_name), gids)
+        pipe.hincrby(self.keys.counters, "consumed", len(batch))
         pipe.hincrby(self.keys.counters, "consumed_bytes", nbytes)
         res = await pipe.execute()
-        acked = res[0] if good else []
-        out: list[Delivery] = []
-        dups: list[tuple[str, str]] = []
-        batch: set[str] = set()
-        for (entry_id, group, deliveries, size), was_acked in zip(good, acked, strict=True):
-            gid = group.group_id
-            held = self._handed_gids.get(gid)
-            if was_acked or (held is not None and held != entry_id) or gid in batch:
-                dups.append((entry_id, gid))
-                continue
-            batch.add(gid)
-            out.append(Delivery(entry_id, group, deliveries, size))
-        if dups:
-            await self._run_ack([i for i, _ in dups], [g for _, g in dups], mode="dup")
-        return out
+        for e, payload in zip(refs, res, strict=False):
+            e.payload = payload
+        acked = res[len(refs)] if gids else []
+        return list(zip(batch, [bool(a) for a in acked], strict=True))
 
-    async def _to_dead_letter(
-        self, entry_id: str, gid: str, bad: _Bad, deliveries: int, fields: dict[bytes, bytes]
-    ) -> None:
+    async def _to_dead_letter(self, e: _Entry, bad: _Bad) -> None:
         raw: list[Any] = []
-        for k, v in fields.items():
+        for k, v in e.fields.items():
             raw += [b"raw:" + (k if isinstance(k, bytes) else k.encode()), v]
-        args = [self.group_name, entry_id, gid, bad.reason, bad.error, self.name, deliveries]
-        args += ["1" if self.counts_backlog else "0", *raw]
+        if e.ref and e.payload is not None:
+            raw += [b"payload", e.payload]
+        args = [self.group_name, e.entry_id, e.gid, bad.reason, bad.error, self.name, e.deliveries]
+        args += ["1" if self.counts_backlog else "0", e.ref, *raw]
         keys = [self.keys.stream, self.keys.dead_letter, self.keys.backlog, self.keys.group_ids]
         await self._dead_letter(keys=keys + [self.keys.counters], args=args)
 
@@ -385,15 +409,15 @@ class Consumer:
         ids = [e.entry_id if isinstance(e, Delivery) else e for e in entries]
         if not ids:
             return 0
-        gids = [self._handed.get(i, "") for i in ids]
-        done = await self._run_ack(ids, gids, mode="ack")
+        known = [self._handed.get(i, ("", "")) for i in ids]
+        done = await self._run_ack(ids, [g for g, _ in known], [r for _, r in known], mode="ack")
         for entry_id in ids:
-            gid = self._handed.pop(entry_id, None)
-            if gid is not None and self._handed_gids.get(gid) == entry_id:
+            gid, _ = self._handed.pop(entry_id, ("", ""))
+            if gid and self._handed_gids.get(gid) == entry_id:
                 del self._handed_gids[gid]
         return done
 
-    async def _run_ack(self, ids: list[str], gids: list[str], mode: str) -> int:
+    async def _run_ack(self, ids: list[str], gids: list[str], refs: list[str], mode: str) -> int:
         keys = [
             self.keys.stream,
             self.keys.backlog,
@@ -401,7 +425,7 @@ class Consumer:
             self.keys.acked(self.group_name),
             self.keys.counters,
         ]
-        args = [self.group_name, mode, "1" if self.counts_backlog else "0", len(ids), *ids, *gids]
+        args = [self.group_name, mode, "1" if self.counts_backlog else "0", len(ids), *ids, *gids, *refs]
         return int(await self._ack(keys=keys, args=args))
 
     async def is_duplicate(self, group_id: str) -> bool:

@@ -3,7 +3,13 @@
 One Lua script does, atomically: the idempotence check by group id (a retry after a lost reply returns the
 entry id of the first XADD instead of adding a second entry), the back-pressure check against the backlog
 counter (entries produced and not yet acknowledged by the learner's group = XINFO lag + pending), INCR of that
-counter, the XADD and the producer's counters. When the backlog is at its bound the script adds nothing and
+counter, the XADD and the producer's counters.
+
+Entries are ``{v: schema version, gid: group id, d: payload}``. A payload larger than ``inline_max_bytes`` is
+stored first in a key of its own that expires after ``payload_ttl_s``; the script then adds
+``{v, gid, n: payload bytes, ref: key}`` and makes the key permanent (the consumer deletes it on acknowledgement).
+Passing a payload of a megabyte through Lua costs two extra copies on the single-threaded server (measured:
+Lua XADD takes twice a plain XADD's server time); the reference keeps the atomic script small. When the backlog is at its bound the script adds nothing and
 answers WAIT; the producer then sleeps ``backpressure_poll_s`` and tries again, showing in the metrics that it
 waits and why. An entry is never trimmed by length and never dropped once accepted.
 """
@@ -12,31 +18,52 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from broker.client import BrokerKeys
-from broker.codec import encode
+from broker.codec import encode_buffer
 from broker.config import BrokerConfig, SharedConfig
 from broker.metrics import producer_field
 from broker.record import SCHEMA_VERSION, TrajectoryGroup
 
 _SEND = """
--- KEYS: 1 group-id hash, 2 backlog counter, 3 stream, 4 counters hash
--- ARGV: 1 group id, 2 max backlog, 3 schema version, 4 payload, 5 producer id
+-- KEYS: 1 group-id hash, 2 backlog counter, 3 stream, 4 counters hash, 5 payload key (by-reference sends)
+-- ARGV: 1 group id, 2 max backlog, 3 schema version, 4 inline payload ('' by reference), 5 producer id,
+--       6 payload bytes, 7 'ref' | 'inline', 8 payload ttl (s)
+local ref = ARGV[7] == 'ref'
 local existing = redis.call('HGET', KEYS[1], ARGV[1])
 if existing then
+  if ref then  -- keep our stored payload only if the existing entry is ours (a retry after a lost reply)
+    local keep = false
+    local e = redis.call('XRANGE', KEYS[3], existing, existing)
+    if #e == 1 then
+      local f = e[1][2]
+      for j = 1, #f, 2 do if f[j] == 'ref' and f[j + 1] == KEYS[5] then keep = true end end
+    end
+    if not keep then redis.call('UNLINK', KEYS[5]) end
+  end
   redis.call('HINCRBY', KEYS[4], 'resent', 1)
   return {'DUP', existing}
 end
+if ref and redis.call('EXISTS', KEYS[5]) == 0 then return {'NOPAYLOAD', ''} end
 local backlog = tonumber(redis.call('GET', KEYS[2]) or '0')
 if backlog >= tonumber(ARGV[2]) then
+  if ref then redis.call('EXPIRE', KEYS[5], ARGV[8]) end
   return {'WAIT', tostring(backlog)}
 end
 redis.call('INCR', KEYS[2])
-local id = redis.call('XADD', KEYS[3], '*', 'v', ARGV[3], 'gid', ARGV[1], 'd', ARGV[4])
+local id
+if ref then
+  redis.call('PERSIST', KEYS[5])
+  id = redis.call('XADD', KEYS[3], '*', 'v', ARGV[3], 'gid', ARGV[1], 'n', ARGV[6], 'ref', KEYS[5])
+else
+  id = redis.call('XADD', KEYS[3], '*', 'v', ARGV[3], 'gid', ARGV[1], 'd', ARGV[4])
+end
 redis.call('HSET', KEYS[1], ARGV[1], id)
-local n = string.len(ARGV[4])
+local n = tonumber(ARGV[6])
 local p = 'producer:' .. ARGV[5] .. ':'
 local t = redis.call('TIME')
 local now = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
@@ -75,23 +102,44 @@ class Producer:
     async def send(self, group: TrajectoryGroup) -> str:
         """Validate and encode ``group``, add it once (idempotent by group id), waiting while the backlog is at
         its bound. Returns the stream entry id (the first one, if the group id was already added)."""
-        payload = encode(group)  # validates; a RecordError names the field
+        payload = encode_buffer(group)  # validates; a RecordError names the field
         return await self.send_payload(group.group_id, payload, group.schema_version)
 
-    async def send_payload(self, group_id: str, payload: bytes, schema_version: int = SCHEMA_VERSION) -> str:
+    async def send_payload(
+        self, group_id: str, payload: bytes | memoryview, schema_version: int = SCHEMA_VERSION
+    ) -> str:
         """The stream path of :meth:`send` for an already encoded payload (benchmark baselines use it)."""
-        keys = [self.keys.group_ids, self.keys.backlog, self.keys.stream, self.keys.counters]
-        args = [group_id, self.config.max_backlog, schema_version, payload, self.producer_id]
+        by_ref = len(payload) > self.config.inline_max_bytes
+        # A large payload is stored first, under a key unique to this attempt that expires unless the script
+        # adds the entry referencing it: Lua would otherwise copy it twice on the server.
+        ref = self.keys.payload(group_id, uuid.uuid4().hex[:16]) if by_ref else self.keys.stream
+        keys = [self.keys.group_ids, self.keys.backlog, self.keys.stream, self.keys.counters, ref]
+        args = [
+            group_id,
+            self.config.max_backlog,
+            schema_version,
+            b"" if by_ref else payload,
+            self.producer_id,
+            len(payload),
+            "ref" if by_ref else "inline",
+            self.config.payload_ttl_s,
+        ]
         waited_since: float | None = None
+        store = by_ref
         try:
             while True:
-                status, value = await self._send(keys=keys, args=args)
+                status, value = await self._call(keys, args, (ref, payload) if store else None)
+                store = status == b"NOPAYLOAD"  # expired during a very long wait: store it again
+                if store:
+                    continue
                 if status != b"WAIT":
                     break
                 if waited_since is None:
                     waited_since = time.monotonic()
                     await self._mark_waiting(int(value))
                 elif time.monotonic() - waited_since > self.config.backpressure_timeout_s:
+                    if by_ref:
+                        await self.client.unlink(ref)
                     raise BackpressureTimeout(
                         f"group {group_id!r}: backlog stayed at max_backlog = {self.config.max_backlog} "
                         f"for {self.config.backpressure_timeout_s}s; nothing was added"
@@ -105,6 +153,20 @@ class Producer:
         else:
             self.sent += 1
         return value.decode()
+
+    async def _call(self, keys: list, args: list, store: tuple[str, bytes] | None) -> tuple[bytes, bytes]:
+        """Run the send script, preceded in the same round trip by the SET of a by-reference payload."""
+        if store is None:
+            return await self._send(keys=keys, args=args)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(store[0], store[1], ex=self.config.payload_ttl_s)
+        pipe.evalsha(self._send.sha, len(keys), *keys, *args)
+        _, res = await pipe.execute(raise_on_error=False)
+        if isinstance(res, NoScriptError):  # a restarted server lost its script cache
+            return await self._send(keys=keys, args=args)
+        if isinstance(res, Exception):
+            raise res
+        return res
 
     async def _mark_waiting(self, backlog: int) -> None:
         self.waits += 1

@@ -126,6 +126,27 @@ def _check_array(path: str, arr: Any, dtype: np.dtype) -> None:
         raise RecordError(path, f"array of {arr.dtype}", f"dtype must be {dtype}")
 
 
+_I4, _F4, _U1 = np.dtype("<i4"), np.dtype("<f4"), np.dtype("u1")
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # the ufuncs themselves: no Python wrapper per call
+
+
+_NUMBER = frozenset({float, int})  # exact types: bool (an int subclass) is not a number here
+_isfinite = math.isfinite
+
+
+def _finite(x: Any) -> bool:
+    return type(x) in _NUMBER and _isfinite(x)
+
+
+def _finite_dict(d: Any) -> bool:
+    if type(d) is not dict:
+        return False
+    for k, v in d.items():
+        if type(k) is not str or not k or type(v) not in _NUMBER or not _isfinite(v):
+            return False
+    return True
+
+
 def _first_bad(path: str, arr: np.ndarray, bad: np.ndarray, reason: str) -> None:
     """Raise naming the first index where the boolean mask ``bad`` (same shape as ``arr``) is set."""
     if bad.any():
@@ -175,6 +196,59 @@ class Sample:
 
     def validate(self, path: str = "sample") -> None:
         """Raise RecordError naming ``path.field[index]`` for the first violation of schema v1."""
+        if not self._valid_fast():
+            self._validate_slow(path)
+
+    def _valid_fast(self) -> bool:
+        """True only if the sample is valid; cheap (no allocation, one reduction per array). It may say False
+        for a valid sample, in which case the slow path decides: the slow path is the specification."""
+        o, lp, v, m = self.output_ids, self.logprobs, self.versions, self.loss_mask
+        if not (
+            type(o) is np.ndarray
+            and type(lp) is np.ndarray
+            and type(v) is np.ndarray
+            and type(m) is np.ndarray
+            and o.dtype == _I4
+            and lp.dtype == _F4
+            and v.dtype == _I4
+            and m.dtype == _U1
+            and o.ndim == lp.ndim == v.ndim == m.ndim == 1
+        ):
+            return False
+        n = o.shape[0]
+        if not (n > 0 and lp.shape[0] == n and v.shape[0] == n and m.shape[0] == n):
+            return False
+        if (
+            _MIN(o) < 0
+            or _MIN(v) < 0
+            or _MAX(m) > 1
+            or not (_MIN(lp) > -math.inf and _MAX(lp) <= LOGPROB_EPS)
+        ):
+            return False  # NaN fails both comparisons
+        si, tk, nr = self.sample_index, self.top_k, self.num_resubmits
+        return (
+            type(si) is int
+            and 0 <= si <= INT32_MAX
+            and self.finish_reason in FINISH_REASONS
+            and type(self.truncated) is bool
+            and _finite(self.reward)
+            and _finite_dict(self.reward_components)
+            and self.reward_status in REWARD_STATUSES
+            and type(self.reward_error) is str
+            and (self.reward_status == "ok") == (self.reward_error == "")
+            and _finite(self.temperature)
+            and self.temperature >= 0
+            and _finite(self.top_p)
+            and 0 < self.top_p <= 1
+            and type(tk) is int
+            and (tk == -1 or 1 <= tk <= INT32_MAX)
+            and type(self.engine_id) is str
+            and _finite_dict(self.timings)
+            and type(nr) is int
+            and 0 <= nr <= INT32_MAX
+        )
+
+    def _validate_slow(self, path: str) -> None:
         _check_int(f"{path}.sample_index", self.sample_index)
         n = None
         for name, dtype in ARRAY_DTYPES.items():
@@ -308,14 +382,18 @@ class TrajectoryGroup:
     def _validate_samples(self) -> None:
         if not isinstance(self.samples, list) or not self.samples:
             raise RecordError("samples", self.samples, "must be a non-empty list of Sample")
-        seen: set[int] = set()
         for i, sample in enumerate(self.samples):
-            if not isinstance(sample, Sample):
+            if type(sample) is not Sample:
                 raise RecordError(f"samples[{i}]", type(sample).__name__, "must be a Sample")
-            sample.validate(f"samples[{i}]")
-            if sample.sample_index in seen:
-                raise RecordError(f"samples[{i}].sample_index", sample.sample_index, "duplicate in group")
-            seen.add(sample.sample_index)
+            if not sample._valid_fast():
+                sample._validate_slow(f"samples[{i}]")  # raises, naming the path
+        indices = [s.sample_index for s in self.samples]
+        if len(set(indices)) != len(indices):
+            seen: set[int] = set()
+            for i, index in enumerate(indices):
+                if index in seen:
+                    raise RecordError(f"samples[{i}].sample_index", index, "duplicate in group")
+                seen.add(index)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TrajectoryGroup):

@@ -87,18 +87,38 @@ async def test_backlog_stays_under_bound_with_concurrent_producers(redis_url: st
         await c.aclose()
 
 
-async def test_backpressure_timeout_adds_nothing(redis_url: str) -> None:
-    cfg = BrokerConfig(max_backlog=2, backpressure_poll_s=0.01, backpressure_timeout_s=0.1, retry_attempts=3)
+async def test_backpressure_timeout_adds_nothing_and_leaves_no_payload(redis_url: str) -> None:
+    cfg = BrokerConfig(
+        max_backlog=2,
+        backpressure_poll_s=0.01,
+        backpressure_timeout_s=0.3,
+        inline_max_bytes=100,
+        retry_attempts=3,
+    )
     client = connect(redis_url, cfg)
     producer = Producer(client, SHARED, cfg, "w0")
     await producer.send(group(1))
     await producer.send(group(2))
+    keys = BrokerKeys.of(SHARED, cfg)
+
+    async def stored() -> list[bytes]:
+        return [k async for k in client.scan_iter(match=keys.payload_prefix + "*")]
+
+    task = asyncio.create_task(producer.send(group(3)))
+    for _ in range(100):  # bounded: until the third send is waiting
+        await asyncio.sleep(0.01)
+        if producer.waits:
+            break
+    # While it waits its payload is stored, expiring unless the entry gets added.
+    pending = [k for k in await stored() if b"p3:" in k]
+    assert len(pending) == 1 and 0 < await client.ttl(pending[0]) <= cfg.payload_ttl_s
     try:
-        await producer.send(group(3))
+        await task
         raise AssertionError("send should have timed out")
     except BackpressureTimeout as exc:
         assert "max_backlog = 2" in str(exc)
-    assert await client.xlen(SHARED.key(cfg.stream)) == 2
+    assert await client.xlen(keys.stream) == 2
+    assert len(await stored()) == 2  # the two added entries' payloads; the refused one's is gone
     snap = await BrokerMetrics(client, SHARED, cfg).snapshot()
     assert snap["producers"]["w0"]["waiting"] == "" and snap["producers"]["w0"]["waits"] == 1
     await client.aclose()

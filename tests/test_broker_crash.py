@@ -90,6 +90,7 @@ async def test_redis_kill9_and_restart_loses_and_duplicates_nothing(own_redis: E
         retry_backoff_s=0.02,
         socket_timeout_s=2.0,
         health_check_interval_s=1,
+        inline_max_bytes=1000,  # producer 0 sends inline entries, the others by reference
     )
     url = own_redis.url
     n_producers, per_producer = 3, 40
@@ -104,7 +105,9 @@ async def test_redis_kill9_and_restart_loses_and_duplicates_nothing(own_redis: E
     async def produce(k: int) -> None:
         p = Producer(clients[k], SHARED, cfg, f"w{k}")
         for j in range(per_producer):
-            g = group(1000 * k + j)
+            g = synthetic_group(
+                np.random.default_rng(j), prompt_index=1000 * k + j, num_samples=2, num_tokens=8 + 40 * k
+            )
             acked_to_producer[g.group_id] = await p.send(g)
 
     async def consume() -> None:
@@ -138,6 +141,8 @@ async def test_redis_kill9_and_restart_loses_and_duplicates_nothing(own_redis: E
     keys = BrokerKeys.of(SHARED, cfg)
     assert await clients[0].xlen(keys.stream) == n_producers * per_producer
     assert int(await clients[0].get(keys.backlog)) == 0
+    assert sum(1 for _, f in await clients[0].xrange(keys.stream) if b"ref" in f) == 2 * per_producer
+    assert [k async for k in clients[0].scan_iter(match=keys.payload_prefix + "*")] == []  # all acknowledged
     for c in clients:
         await c.aclose()
 

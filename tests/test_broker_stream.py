@@ -168,6 +168,11 @@ async def test_malformed_entries_are_dead_lettered_while_good_ones_flow(client, 
             "samples[0].reward = None: missing",
         ),
         "missing entry field": ({"v": 1, "gid": group(106).group_id}, "missing_field", "['d'] missing"),
+        "missing payload key": (
+            {"v": 1, "gid": group(107).group_id, "n": 10, "ref": SHARED.key("nowhere")},
+            "missing_payload",
+            "does not exist",
+        ),
     }
     good_ids, bad_ids = [], {}
     for i, (name, (fields, _, _)) in enumerate(bad.items()):
@@ -194,6 +199,7 @@ async def test_malformed_entries_are_dead_lettered_while_good_ones_flow(client, 
         "schema_version": 2,
         "invalid": 2,
         "missing_field": 2,
+        "missing_payload": 1,
     }
 
 
@@ -341,3 +347,38 @@ async def test_metrics_snapshot_and_metrics_streams(client, cfg) -> None:
 
 def _text(raw) -> str:
     return raw.decode() if isinstance(raw, bytes) else raw
+
+
+async def payload_keys(client: aioredis.Redis, cfg: BrokerConfig) -> list[str]:
+    prefix = BrokerKeys.of(SHARED, cfg).payload_prefix
+    return sorted([k.decode() async for k in client.scan_iter(match=prefix + "*")])
+
+
+@pytest.mark.parametrize("num_tokens", [1024, 8192])
+async def test_large_groups_travel_by_reference_and_leave_nothing_behind(client, cfg, num_tokens) -> None:
+    producer = Producer(client, SHARED, cfg, "p0")
+    consumer = Consumer(client, SHARED, cfg, "c0")
+    big = synthetic_group(
+        np.random.default_rng(num_tokens), prompt_index=1, num_samples=8, num_tokens=num_tokens
+    )
+    size = len(encode(big))
+    assert size > cfg.inline_max_bytes
+    await producer.send(group(0))
+    await client.script_flush()  # what a restarted server looks like: scripts are loaded again on NOSCRIPT
+    entry_id = await producer.send(big)
+    assert await producer.send(big) == entry_id  # a resend stores nothing extra
+    await consumer.ack(await consumer.read(count=1))
+    ((_, fields),) = await client.xrange(SHARED.key(cfg.stream), min=entry_id)
+    assert set(fields) == {b"v", b"gid", b"n", b"ref"} and int(fields[b"n"]) == size
+    (key,) = await payload_keys(client, cfg)
+    assert fields[b"ref"].decode() == key and await client.ttl(key) == -1  # permanent once referenced
+    (d,) = await consumer.read()
+    assert d.group == big and d.nbytes == size
+    assert await consumer.ack([d]) == 1
+    assert await payload_keys(client, cfg) == []
+    snap = await BrokerMetrics(client, SHARED, cfg).snapshot()
+    assert (
+        snap["counters"]["produced_bytes"]
+        == snap["counters"]["consumed_bytes"]
+        == size + len(encode(group(0)))
+    )

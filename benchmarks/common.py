@@ -1,0 +1,123 @@
+"""Shared by every benchmark: the machine description, the git sha, targets, a readable table, and the
+result file ``{benchmark, mode, git_sha, machine, params, results, targets, passed}`` (plus the headline keys an
+issue names, repeated at the top level)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+OPS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, "<": lambda a, b: a < b}
+
+
+def git_sha(root: Path | None = None) -> str:
+    """HEAD of the checkout the benchmark runs from, with '-dirty' when tracked files differ; 'unknown' outside
+    git."""
+    cwd = root or Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return sha + ("-dirty" if dirty else "")
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, cores, memory and platform: what a reader needs to compare numbers across machines."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory_gb = None
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        memory_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gb": memory_gb,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def evaluate_targets(
+    values: Mapping[str, float], targets: Mapping[str, tuple[str, float]]
+) -> tuple[dict[str, dict[str, Any]], bool]:
+    """Check each ``name: (op, threshold)`` against ``values[name]``; returns the per-target record and whether
+    all passed."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, (op, threshold) in targets.items():
+        actual = values.get(name)
+        ok = actual is not None and OPS[op](actual, threshold)
+        out[name] = {"op": op, "value": threshold, "actual": actual, "passed": bool(ok)}
+    return out, all(t["passed"] for t in out.values())
+
+
+def write_result(
+    path: Path | str,
+    benchmark: str,
+    mode: str,
+    params: Mapping[str, Any],
+    results: Mapping[str, Any],
+    targets: Mapping[str, tuple[str, float]],
+    headline: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Evaluate ``targets`` against ``headline`` (the top-level numbers) and write the result JSON atomically.
+    Returns the written document."""
+    headline = dict(headline or {})
+    checked, passed = evaluate_targets(headline, targets)
+    doc: dict[str, Any] = {
+        "benchmark": benchmark,
+        "mode": mode,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git_sha": git_sha(),
+        "machine": machine_info(),
+        "params": dict(params),
+        **headline,
+        "results": dict(results),
+        "targets": checked,
+        "passed": passed,
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    tmp.replace(path)
+    return doc
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table with right-aligned numbers (floats to 3 significant digits, or thousands-separated)."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+        if isinstance(v, int):
+            return f"{v:,}"
+        return str(v)
+
+    text = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in text)) if text else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in text]
+    return "\n".join(lines)
