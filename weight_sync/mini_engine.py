@@ -179,12 +179,13 @@ class MiniEngine:
         return web.json_response({"logprobs": await asyncio.to_thread(forward)})
 
     async def bench_receive(self, request: web.Request) -> web.Response:
-        """Benchmarks only: receive one 1-element broadcast (the start line), then one flat uint8 broadcast of
-        ``nbytes`` into a buffer kept (and already touched) across calls, with no loading: the transport's limit
-        for the same bytes."""
+        """Benchmarks only: receive one 1-element broadcast (the start line), then ``nbytes`` of uint8 into a
+        buffer kept (and already touched) across calls, with no loading: the transport's limit for the same
+        bytes. One broadcast, or with ``chunk`` one per chunk, all posted at once."""
         try:
             body = await read_json(request)
             nbytes = int(body["nbytes"])
+            chunk = int(body.get("chunk") or nbytes)
             group = self.receiver.groups[body.get("group_name", protocol.DEFAULT_GROUP)]
         except (ValueError, KeyError, TypeError) as exc:
             return validation_error(f"bench_receive: {exc!r}")
@@ -194,7 +195,9 @@ class MiniEngine:
                 if self._bench_buffer is None or self._bench_buffer.numel() != nbytes:
                     self._bench_buffer = torch.zeros(nbytes, dtype=torch.uint8)
                 group.broadcast(torch.empty(1))
-                group.broadcast(self._bench_buffer)
+                chunks = self._bench_buffer.split(chunk)
+                for work in [group.broadcast(c, async_op=True) for c in chunks]:
+                    work.wait()
 
         try:
             await asyncio.to_thread(run)
