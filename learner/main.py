@@ -30,7 +30,7 @@ class LearnerRoleConfig(Section):
 
 def run_rank(cfg: LearnerRoleConfig) -> int:
     """The body of one rank (RANK / WORLD_SIZE / MASTER_* from the environment)."""
-    from learner.publish import VersionOnlyPublisher
+    from learner.publish import VersionOnlyPublisher, WeightSyncPublisher, registry_engines
     from learner.trainer import Learner
 
     info = init_distributed(cfg.learner.pg_timeout_s, cfg.shared.torch_threads)
@@ -38,7 +38,14 @@ def run_rank(cfg: LearnerRoleConfig) -> int:
         level=logging.INFO, format=f"%(asctime)s learner[{info.rank}] %(levelname)s: %(message)s"
     )
     url = resolve_redis_url(cfg.shared, wait_s=30)
-    learner = Learner(cfg.shared, cfg.broker, cfg.learner, info, VersionOnlyPublisher(), url)
+    ws = cfg.weight_sync
+    if ws.engines == "none":
+        publisher = VersionOnlyPublisher()
+    else:
+        source = (lambda: [(u.rstrip("/"), 1) for u in ws.engine_urls]) if ws.engine_urls else None
+        source = source or registry_engines(url, cfg.shared)
+        publisher = WeightSyncPublisher(ws, source, info.is_main, ws.wait_for_engines_s)
+    learner = Learner(cfg.shared, cfg.broker, cfg.learner, info, publisher, url)
     learner.install_signal_handlers()
     code = learner.run()
     import torch.distributed as dist

@@ -41,7 +41,7 @@ def start_learner(
         sys.executable, "-m", "learner", f"--shared.run_dir={tmp_path / 'run'}", f"--shared.redis_url={url}",
         f"--shared.model_path={model_dir}", "--shared.run_id=test", "--shared.eta=1",
         "--learner.world_size=2", "--learner.groups_per_step=4", "--learner.wandb_mode=disabled",
-        "--learner.lr=1e-3", "--learner.micro_batch_tokens=64", *extra,
+        "--learner.lr=1e-3", "--learner.micro_batch_tokens=64", "--weight_sync.engines=none", *extra,
     ]  # fmt: skip
     return subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=new_session

@@ -55,6 +55,18 @@ class WeightSyncConfig(Section):
         description="Attempts per sync; after a failure the group is rebuilt with the healthy engines.",
     )
 
+    engines: Literal["registry", "none"] = Field(
+        "registry",
+        description="Which engines the learner updates: engine_urls if set, else the fleet's registry; "
+        "none: publish versions only.",
+    )
+    engine_urls: list[str] = Field(
+        default_factory=list, description="Engine URLs to update (each with one rank); empty: use the registry."
+    )
+    wait_for_engines_s: float = Field(
+        120.0, gt=0, description="How long the learner waits at start for at least one engine to update."
+    )
+
     def resolved_load_format(self, backend: str) -> str:
         """The wire format for ``backend``: on GPUs one NCCL call per bucket wins; on CPU engines per-tensor
         broadcasts land in the model's own tensors, saving the unpack copy (docs/weight_sync.md, numbers)."""
