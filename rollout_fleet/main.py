@@ -235,12 +235,10 @@ def run_rollout(
     if groups_per_step < 1:
         log.error("groups_per_step = %d: must be >= 1", groups_per_step)
         return 2
-    try:
-        import torch
-
-        torch.set_num_threads(shared.torch_threads)
-    except ImportError:
-        pass
+    # The worker runs no torch compute; a library that imports torch later still gets the configured threads.
+    os.environ.setdefault("OMP_NUM_THREADS", str(shared.torch_threads))
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(shared.torch_threads)
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(_serve(shared, broker, engine, rollout, groups_per_step))

@@ -22,8 +22,9 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -78,6 +79,12 @@ class Router:
         self._changed = asyncio.Event()  # set whenever an engine becomes routable
         self._counter = itertools.count()
         self._rr = 0
+        self._background: set[asyncio.Task] = set()  # fire-and-forget calls, referenced until done
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # -- membership ------------------------------------------------------------------------------------------
 
@@ -174,7 +181,7 @@ class Router:
         handle.healthy = False
         handle.last_error = error
         if was and self.registry is not None:
-            asyncio.get_running_loop().create_task(self._write(handle, "unhealthy", error))
+            self._spawn(self._write(handle, "unhealthy", error))
         return was
 
     def abort_later(self, handle: EngineHandle, rid: str) -> None:
@@ -185,7 +192,7 @@ class Router:
                 await handle.client.abort(rid)
 
         if handle.healthy:
-            asyncio.get_running_loop().create_task(abort())
+            self._spawn(abort())
 
     # -- health ----------------------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ import torch
 from broker.client import connect
 from broker.config import BrokerConfig, SharedConfig
 from broker.consumer import Consumer, dropped
+from broker.metrics import MetricsReader
 from broker.record import TrajectoryGroup, make_group_id
 from broker.staleness import RedisCounters
 from broker.version import PolicyVersion
@@ -211,10 +212,19 @@ async def test_a_worker_with_two_engines_writes_one_valid_record_per_prompt(
     assert used == set(engine_ids)  # least-outstanding routing spread the requests over both engines
     counts = await admission_counts(redis_url, shared)
     assert (counts.running, counts.accepted, counts.started) == (0, 6, 6)
+    client = connect(redis_url, BROKER)
+    try:
+        point = await MetricsReader(client, shared).latest("rollout")
+    finally:
+        await client.aclose()
+    assert point["groups_produced"] == 6 and point["samples"] == 18 and point["tokens"] == stats.tokens > 0
+    assert point["groups_in_flight"] == 0 and point["engines_healthy"] == 2
+    assert {f"engine/{e}/outstanding" for e in engine_ids} <= set(point)
 
 
+@pytest.mark.parametrize("mask_prefix", [False, True])
 async def test_resubmission_after_an_abort_mode_pause_records_both_versions(
-    redis_url: str, model_dir: Path
+    redis_url: str, model_dir: Path, mask_prefix: bool
 ) -> None:
     with serving(model_dir) as srv:
         shared, engine, rollout = configs(
@@ -223,6 +233,7 @@ async def test_resubmission_after_an_abort_mode_pause_records_both_versions(
             group_size=2,
             max_new_tokens=40,
             task=TaskConfig(name="arithmetic", train_size=2),
+            mask_resubmitted_prefix=mask_prefix,
         )
         # Hold the scheduler at the 6th decode step: every running sample has partial output by then.
         gate = StepGate(
@@ -256,7 +267,8 @@ async def test_resubmission_after_an_abort_mode_pause_records_both_versions(
             v[0] == 0 and v[-1] == 1 and switch >= 1
         )  # the old policy's prefix, then the new policy's tokens
         assert (v[:switch] == 0).all() and (v[switch:] == 1).all()
-        assert (s.loss_mask == 1).all()  # mask_resubmitted_prefix is off by default
+        # Optionally the old policy's prefix is masked out of the loss; by default everything is trained.
+        assert list(s.loss_mask) == ([0] * switch + [1] * (len(v) - switch) if mask_prefix else [1] * len(v))
         assert s.timings["requests"] >= 2
 
 

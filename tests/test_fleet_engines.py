@@ -1,0 +1,158 @@
+"""The fleet with real engine processes (``python -m rollout_fleet.engine``): launch and readiness, an engine
+SIGKILLed while a worker runs (the worker carries on with the other, no group is lost, the fleet restarts the
+dead engine and the registry follows), a launch that fails, and SGLang's command line and missing extra."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from broker.client import connect
+from broker.config import BrokerConfig, SharedConfig
+from rollout_fleet import fleet as fleet_module
+from rollout_fleet.config import EngineConfig
+from rollout_fleet.fleet import Fleet, FleetError, engine_command
+from rollout_fleet.main import open_worker
+from rollout_fleet.model import init_tiny_model
+from rollout_fleet.registry import EngineRegistry
+from rollout_fleet.tasks.config import TaskConfig
+from tests.test_rollout_worker import configs, read_drops, read_records
+
+pytestmark = pytest.mark.timeout(180)
+BROKER = BrokerConfig()
+PROMPTS = 16
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def engine_config(**kw: object) -> EngineConfig:
+    options = {
+        "count": 2,
+        "max_running_requests": 16,
+        "max_context_len": 256,
+        "launch_timeout_s": 120.0,
+        "max_restarts": 1,
+        "shutdown_timeout_s": 5.0,
+        "health_check_timeout_s": 10.0,
+        **kw,
+    }
+    return EngineConfig(**options)
+
+
+async def test_a_killed_engine_is_routed_around_and_restarted_and_no_group_is_lost(
+    redis_url: str, tmp_path: Path
+) -> None:
+    model_dir = init_tiny_model(tmp_path / "tiny")
+    shared = SharedConfig(run_id="fleet", model_path=model_dir, run_dir=tmp_path / "run", http_timeout_s=10.0)
+    engine = engine_config()
+    client = connect(redis_url, BROKER)
+    registry = EngineRegistry(client, shared)
+    fleet = Fleet(shared, engine, registry, ports=free_ports(2), poll_s=0.2)
+    stop_supervising = asyncio.Event()
+    try:
+        urls = await fleet.start()
+        entries = await registry.list()
+        assert [(e.url, e.health, e.ranks, e.kind, e.source) for e in entries] == [
+            (u, "healthy", 1, "builtin", "fleet") for u in sorted(urls, key=lambda u: u.split("//")[1])
+        ]
+        first_pid = fleet.engines[0].pid
+        supervisor = asyncio.create_task(fleet.supervise(stop_supervising))
+
+        _, engine_cfg, rollout = configs(
+            model_dir,
+            [],  # the registry the fleet wrote is the source of engines
+            run_id="fleet",
+            group_size=2,
+            max_new_tokens=48,
+            max_concurrent_groups=4,
+            task=TaskConfig(name="arithmetic", train_size=PROMPTS),
+        )
+        async with open_worker(shared, BROKER, engine_cfg, rollout, 100, redis_url) as worker:
+            assert sorted(worker.router.urls()) == sorted(urls)
+            run = asyncio.create_task(worker.run(asyncio.Event()))
+            victim = worker.router.engines[fleet.engines[0].engine_id]
+            for _ in range(1200):  # kill engine 0 while it serves requests, after some groups were produced
+                produced = await client.xlen(shared.key(BROKER.stream))
+                if produced >= 2 and victim.outstanding > 0 and not run.done():
+                    break
+                await asyncio.sleep(0.02)
+            assert victim.outstanding > 0, "engine 0 was never busy"
+            fleet.kill(0)
+            stats = await asyncio.wait_for(run, 120)
+        assert stats.finished and stats.engine_failures >= 1 and victim.failures >= 1
+
+        # The fleet relaunched engine 0 and the registry says so.
+        for _ in range(600):
+            entry = await registry.get(fleet.engines[0].engine_id)
+            if entry.health == "healthy" and entry.pid != first_pid:
+                break
+            await asyncio.sleep(0.1)
+        assert entry.health == "healthy" and entry.pid == fleet.engines[0].pid != first_pid
+        assert fleet.engines[0].restarts == 1
+        stop_supervising.set()
+        await supervisor
+    finally:
+        stop_supervising.set()
+        await fleet.stop()
+        assert await registry.list() == []
+        await client.aclose()
+
+    records = await read_records(redis_url, shared)
+    assert await read_drops(redis_url, shared) == []
+    assert Counter(g.prompt_index for g in records) == Counter(range(PROMPTS))
+    assert all(s.num_tokens() > 0 for g in records for s in g.samples)
+
+
+async def test_an_engine_that_cannot_start_fails_the_launch_with_its_log(tmp_path: Path) -> None:
+    shared = SharedConfig(model_path=tmp_path / "missing-model", run_dir=tmp_path / "run")
+    fleet = Fleet(shared, engine_config(count=1), ports=free_ports(1))
+    with pytest.raises(
+        FleetError, match=r"exited with code 2 before it was healthy(.|\n)*cannot start the engine"
+    ):
+        await fleet.start()
+    assert not fleet.engines[0].alive()
+
+
+def test_sglang_command_line_and_the_missing_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shared = SharedConfig(model_path=tmp_path / "m")
+    engine = engine_config(
+        kind="sglang", tp_size=2, mem_fraction_static=0.7, extra_args=["--log-level", "warning"]
+    )
+    monkeypatch.setattr(fleet_module, "sglang_available", lambda: True)
+    cmd = engine_command(shared, engine, 30007)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    pairs = dict(zip(cmd[3::2], cmd[4::2], strict=False))
+    assert pairs["--model-path"] == str(tmp_path / "m") and pairs["--port"] == "30007"
+    assert (pairs["--tp-size"], pairs["--mem-fraction-static"], pairs["--weight-version"]) == (
+        "2",
+        "0.7",
+        "0",
+    )
+    assert cmd[-2:] == ["--log-level", "warning"]
+    assert fleet_module.engine_ranks(engine) == 2
+    monkeypatch.setattr(fleet_module, "sglang_available", lambda: False)
+    with pytest.raises(FleetError, match=r"pip install 'streamrl\[sglang\]'"):
+        engine_command(shared, engine, 30007)
+    with pytest.raises(FleetError, match="engine.kind = 'vllm'"):
+        Fleet(shared, engine_config(kind="vllm"))
+
+
+def test_builtin_command_passes_the_engine_section_through(tmp_path: Path) -> None:
+    shared = SharedConfig(model_path=tmp_path / "m", torch_threads=1)
+    cmd = engine_command(shared, engine_config(max_running_requests=5, extra_args=[]), 31000)
+    assert cmd[1:3] == ["-m", "rollout_fleet.engine"]
+    assert "--engine.port=31000" in cmd and "--engine.max_running_requests=5" in cmd
+    assert f'--shared.model_path="{tmp_path / "m"}"' in cmd and '--engine.kind="builtin"' in cmd

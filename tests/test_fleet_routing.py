@@ -1,0 +1,169 @@
+"""The engine registry (real Redis) and the router (real HTTP engines): least outstanding among healthy engines,
+sticky resubmits, failed engines out of routing and back after a probe, liveness that works while paused."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from broker.client import connect
+from broker.config import BrokerConfig, SharedConfig
+from rollout_fleet.engine.core import Engine
+from rollout_fleet.engine.server import ServerThread
+from rollout_fleet.model import init_tiny_model
+from rollout_fleet.registry import EngineRegistry, RegistryError, engine_id_for
+from rollout_fleet.router import NoEngineAvailable, Router
+from tests.test_rollout_worker import serving
+
+pytestmark = pytest.mark.timeout(60)
+SHARED = SharedConfig(run_id="route")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    c = connect(redis_url, BrokerConfig())
+    yield c
+    await c.aclose()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_tiny_model(tmp_path_factory.mktemp("routing") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def live(model_dir: Path) -> Iterator[ServerThread]:
+    with serving(model_dir, max_running_requests=4) as srv:
+        yield srv
+
+
+def router_for(session: aiohttp.ClientSession, registry: EngineRegistry | None) -> Router:
+    return Router(
+        session,
+        registry,
+        request_timeout_s=30,
+        control_timeout_s=2.0,
+        health_interval_s=0.1,
+        no_engine_timeout_s=5.0,
+    )
+
+
+async def test_registry_entries_merge_and_are_validated(client) -> None:
+    reg = EngineRegistry(client, SHARED)
+    a = await reg.register(
+        "127.0.0.1:30001/", ranks=2, kind="sglang", source="fleet", pid=7, health="starting"
+    )
+    assert (a.engine_id, a.url, a.ranks, a.health, a.pid) == (
+        "127.0.0.1:30001",
+        "http://127.0.0.1:30001",
+        2,
+        "starting",
+        7,
+    )
+    # A worker naming the same engine does not clobber what the fleet wrote.
+    again = await reg.register("http://127.0.0.1:30001", source="worker w", overwrite=False)
+    assert (again.ranks, again.source, again.kind) == (2, "fleet", "sglang")
+    updated = await reg.update("127.0.0.1:30001", health="healthy", weight_version=3, last_seen=1.5)
+    assert (updated.health, updated.weight_version, updated.last_seen, updated.pid) == ("healthy", 3, 1.5, 7)
+    assert await reg.update("127.0.0.1:9", health="healthy") is None  # never resurrects an unknown engine
+    await reg.register("http://127.0.0.1:30000")
+    assert [e.engine_id for e in await reg.list()] == ["127.0.0.1:30000", "127.0.0.1:30001"]
+    with pytest.raises(RegistryError, match="health = 'fine'"):
+        await reg.update("127.0.0.1:30000", health="fine")
+    with pytest.raises(RegistryError, match="ranks = 0"):
+        await reg.register("http://127.0.0.1:30002", ranks=0)
+    with pytest.raises(RegistryError, match="http://host:port"):
+        engine_id_for("nowhere")
+    assert await reg.remove("127.0.0.1:30000") and [e.engine_id for e in await reg.list()] == [
+        "127.0.0.1:30001"
+    ]
+
+
+async def test_routing_prefers_healthy_least_loaded_and_sticky_engines(client, live: ServerThread) -> None:
+    reg = EngineRegistry(client, SHARED)
+    dead_url = f"http://127.0.0.1:{free_port()}"
+    for url in (live.url, dead_url):
+        await reg.register(url)
+    async with aiohttp.ClientSession() as session:
+        router = router_for(session, reg)
+        await router.refresh()
+        await router.probe_all()
+        live_id, dead_id = engine_id_for(live.url), engine_id_for(dead_url)
+        assert [h.engine_id for h in router.healthy()] == [live_id]
+        entry = await reg.get(live_id)
+        assert (entry.health, entry.weight_version) == ("healthy", 0) and entry.last_seen > 0
+        assert (await reg.get(dead_id)).health == "unknown"  # never seen alive: nothing to report yet
+
+        # A second live engine (registered while the router runs): least outstanding wins, sticky beats it.
+        await reg.register(f"http://127.0.0.1:{live.port}".replace("127.0.0.1", "localhost"))
+        await router.refresh()
+        await router.probe_all()
+        other_id = f"localhost:{live.port}"
+        first = await router.acquire()
+        second = await router.acquire()
+        assert {first.engine_id, second.engine_id} == {live_id, other_id}
+        third = await router.acquire(prefer=first.engine_id)
+        assert third is first and first.outstanding == 2 and second.outstanding == 1
+        for h in (first, second, third):
+            router.release(h)
+
+        # A failure takes an engine out at once; a successful probe puts it back.
+        assert router.mark_failed(first, "connection reset")
+        assert (await router.acquire(prefer=first.engine_id)).engine_id == second.engine_id
+        router.release(second)
+        await asyncio.sleep(0.1)  # the registry write is a background task
+        assert (await reg.get(first.engine_id)).health == "unhealthy"
+        await router.probe(first)
+        assert first.healthy and (await reg.get(first.engine_id)).health == "healthy"
+
+        # Removed from the registry: out of routing.
+        await reg.remove(other_id)
+        await router.refresh()
+        assert other_id not in router.engines
+
+
+async def test_acquire_waits_for_an_engine_to_come_back_then_gives_up(model_dir: Path) -> None:
+    port = free_port()
+    async with aiohttp.ClientSession() as session:
+        router = router_for(session, None)
+        handle = router.add(f"http://127.0.0.1:{port}")
+        await router.probe_all()
+        with pytest.raises(NoEngineAvailable, match=f"127.0.0.1:{port}"):
+            await router.acquire(timeout_s=0.3)
+        stop = asyncio.Event()
+        checks = asyncio.create_task(router.run_health_checks(stop))
+        waiting = asyncio.create_task(router.acquire(timeout_s=30))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        engine = Engine(model_dir, max_running_requests=2, max_context_len=64).start()
+        server = ServerThread(engine, port=port).start()  # the engine comes (back) on its port
+        try:
+            assert await asyncio.wait_for(waiting, 10) is handle and handle.outstanding == 1
+        finally:
+            stop.set()
+            await checks
+            server.stop()
+            engine.shutdown()
+
+
+async def test_a_paused_engine_stays_live_for_the_router(live: ServerThread) -> None:
+    async with aiohttp.ClientSession() as session:
+        router = router_for(session, None)
+        handle = router.add(live.url)
+        await handle.client.pause("retract")  # no forward pass runs: /health would hang then answer 503
+        try:
+            assert await asyncio.wait_for(router.probe(handle), 5) and handle.healthy
+        finally:
+            await handle.client.resume()
