@@ -61,7 +61,8 @@ class WeightSyncConfig(Section):
         "none: publish versions only.",
     )
     engine_urls: list[str] = Field(
-        default_factory=list, description="Engine URLs to update (each with one rank); empty: use the registry."
+        default_factory=list,
+        description="Engine URLs to update (each with one rank); empty: use the registry.",
     )
     wait_for_engines_s: float = Field(
         120.0, gt=0, description="How long the learner waits at start for at least one engine to update."
