@@ -247,6 +247,27 @@ def add_metrics_route(
     app.router.add_get(path, metrics_route(role, source, labels))
 
 
+REDIS_INFO_SECTIONS = ("server", "clients", "memory", "persistence", "stats")
+
+
+def redis_info_source(url: str, timeout_s: float = 2.0) -> MetricsSource:
+    """A source for the ``redis`` role: the numeric fields of INFO (memory, clients, persistence / AOF, command
+    stats) of the server at ``url``, read with a plain client on every scrape (``timeout_s`` bounds it)."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+    def source() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for section in REDIS_INFO_SECTIONS:
+            for key, value in client.info(section).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    out[key] = value
+        return out
+
+    return source
+
+
 class LatestMetrics:
     """The latest numbers of a role, updated by its loop and read by a metrics server (thread-safe).
 

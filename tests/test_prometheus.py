@@ -22,6 +22,7 @@ from broker.prometheus import (
     LatestMetrics,
     add_metrics_route,
     metric_name,
+    redis_info_source,
     render,
     start_metrics_server,
 )
@@ -181,3 +182,18 @@ async def test_engine_metrics_count_real_generations(model_dir: Path) -> None:
     finally:
         await asyncio.to_thread(srv.stop)
         engine.shutdown(5)
+
+
+def test_redis_role_exposes_the_servers_info(own_redis) -> None:
+    server = start_metrics_server("127.0.0.1", 0, "redis", redis_info_source(own_redis.url, timeout_s=1.0))
+    try:
+        got = samples(scrape(server.url))
+        assert got[("streamrl_redis_used_memory", ())] > 0
+        assert got[("streamrl_redis_connected_clients", ())] >= 1
+        assert got[("streamrl_redis_aof_enabled", ())] == 1  # the embedded server runs with AOF
+        assert got[("streamrl_redis_source_ok", ())] == 1
+        own_redis.kill()
+        got = samples(scrape(server.url))  # a dead server is a value, not a failed scrape
+        assert got[("streamrl_redis_source_ok", ())] == 0
+    finally:
+        server.stop()
