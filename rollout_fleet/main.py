@@ -115,6 +115,7 @@ async def open_worker(
         load_timeout_s=rollout.reward.load_timeout_s,
         start_method=rollout.reward.start_method,
     )
+    router: Router | None = None
     try:
         registry = EngineRegistry(client, shared)
         router = Router(
@@ -169,6 +170,8 @@ async def open_worker(
             metrics=MetricsWriter(client, shared, "rollout", maxlen=broker.metrics_maxlen),
         )
     finally:
+        if router is not None:
+            await router.aclose()
         rewards.close()
         await session.close()
         await client.aclose()

@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from rollout_fleet.client import EngineClient, EngineUnavailable, parse_version
+from rollout_fleet.client import EngineClient, parse_version
 from rollout_fleet.registry import EngineRegistry, engine_id_for, normalize_url
 
 log = logging.getLogger("streamrl.router")
@@ -188,7 +188,9 @@ class Router:
         """Best-effort ``/abort_request`` for a request whose caller went away (fire and forget)."""
 
         async def abort() -> None:
-            with contextlib.suppress(EngineUnavailable):
+            with contextlib.suppress(
+                Exception
+            ):  # best effort: the engine also aborts a request whose client left
                 await handle.client.abort(rid)
 
         if handle.healthy:
@@ -240,6 +242,11 @@ class Router:
                 log.warning("health check round failed: %s", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.health_interval_s)
+
+    async def aclose(self, timeout_s: float = 2.0) -> None:
+        """Wait briefly for fire-and-forget calls (aborts, registry writes) before the session closes."""
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=timeout_s)
 
     def stats(self) -> dict[str, float]:
         """Per-engine outstanding requests and health, flat, for the metrics stream."""
