@@ -33,9 +33,11 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
 
-import requests
 import torch
 
 from benchmarks.common import format_table, write_result
@@ -60,6 +62,15 @@ MODES = {
     "full": {"model": {"hidden_size": 1024, "num_hidden_layers": 8, "intermediate_size": 2816}, "repeats": 9},
 }
 TIMEOUT_S = 300.0
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 30.0) -> Any:
+    """GET (no body) or POST a JSON body with the standard library; the parsed JSON reply (None when empty)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        text = resp.read()
+    return json.loads(text) if text else None
 
 
 def build_learner_model(config: dict) -> torch.nn.Module:
@@ -94,9 +105,9 @@ def start_engines(config: dict, count: int) -> tuple[list[subprocess.Popen], lis
         deadline = time.monotonic() + 120
         while True:
             try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
+                if http_json(url + "/health", timeout=2) is None:
                     break
-            except requests.ConnectionError:
+            except (urllib.error.URLError, ConnectionError):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
@@ -188,10 +199,7 @@ def run(mode: str, bucket_mb: float) -> tuple[dict, dict, dict]:
         timed_sync(model, version, sender, ours)
         learner_sum = weights_checksum([(n, p.full_tensor()) for n, p in model.named_parameters()])
         engine_sums = [
-            requests.post(url + "/weights_checker", json={"action": "checksum"}, timeout=TIMEOUT_S).json()[
-                "checksum"
-            ]
-            for url in urls
+            http_json(url + "/weights_checker", {"action": "checksum"}, TIMEOUT_S)["checksum"] for url in urls
         ]
         resolved = ours.resolved_load_format(sender.backend)
         sender.close()

@@ -18,10 +18,12 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
-import requests
 import torch
 import torch.distributed as dist
 
@@ -31,6 +33,15 @@ pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 15.0
 SEQUENCE = list(range(5, 45))  # a fixed token sequence scored by learner and engines
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 30.0) -> Any:
+    """GET (no body) or POST a JSON body with the standard library; the parsed JSON reply (None when empty)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        text = resp.read()
+    return json.loads(text) if text else None
 
 
 def launch_engine(model_dir: Path, *flags: str, port: int = 0) -> subprocess.Popen:
@@ -49,18 +60,18 @@ def await_engine(proc: subprocess.Popen) -> str:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
+            if http_json(url + "/health", timeout=2) is None:
                 return url
-        except requests.ConnectionError:
+        except (urllib.error.URLError, ConnectionError):
             time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"engine at {url} never became healthy")
 
 
 def engine_view(url: str) -> dict:
-    checksum = requests.post(url + "/weights_checker", json={"action": "checksum"}, timeout=30).json()
-    scored = requests.post(url + "/score", json={"input_ids": SEQUENCE}, timeout=30).json()
-    stats = requests.get(url + "/stats", timeout=30).json()
+    checksum = http_json(url + "/weights_checker", {"action": "checksum"})
+    scored = http_json(url + "/score", {"input_ids": SEQUENCE})
+    stats = http_json(url + "/stats")
     return {"checksum": checksum["checksum"], "logprobs": scored["logprobs"], "stats": stats}
 
 
