@@ -42,7 +42,7 @@ import redis.asyncio as aioredis
 from broker.client import BrokerKeys
 from broker.config import BrokerConfig, SharedConfig
 from broker.metrics import MetricsWriter
-from broker.producer import Producer
+from broker.producer import BackpressureTimeout, Producer
 from broker.record import RecordError, Sample, TrajectoryGroup
 from broker.staleness import StalenessManager
 from broker.version import PolicyVersion
@@ -352,6 +352,8 @@ class RolloutWorker:
             await self._abandon(lease, gone)
         except RecordError as exc:
             await self._abandon(lease, GroupAbandoned("invalid_record", DROP, str(exc)))
+        except BackpressureTimeout as exc:  # the learner is not consuming: nothing wrong with the prompt
+            await self._abandon(lease, GroupAbandoned("backpressure", HAND_BACK, str(exc)))
         except asyncio.CancelledError:
             raise
         except Exception as exc:

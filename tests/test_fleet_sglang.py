@@ -1,0 +1,63 @@
+"""The same fleet and worker code against a real SGLang server on a GPU (needs the ``streamrl[sglang]`` extra):
+launch with the tiny model, readiness, registry entry with its ranks, and one epoch of valid records whose
+tokens carry version 0 (the fleet launches SGLang with ``--weight-version 0``). Deselected in CI (``gpu``)."""
+
+from __future__ import annotations
+
+import socket
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from broker.client import connect
+from broker.config import BrokerConfig, SharedConfig
+from rollout_fleet.config import EngineConfig
+from rollout_fleet.fleet import Fleet
+from rollout_fleet.model import init_tiny_model
+from rollout_fleet.registry import EngineRegistry
+from rollout_fleet.tasks.config import TaskConfig
+from tests.test_rollout_worker import configs, read_records, run_worker
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+BROKER = BrokerConfig()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_a_worker_through_a_launched_sglang_server(redis_url: str, tmp_path: Path) -> None:
+    model_dir = init_tiny_model(tmp_path / "tiny")
+    shared = SharedConfig(run_id="sgl", model_path=model_dir, run_dir=tmp_path / "run", http_timeout_s=30.0)
+    engine = EngineConfig(
+        kind="sglang",
+        count=1,
+        mem_fraction_static=0.2,
+        max_context_len=512,
+        launch_timeout_s=600.0,
+        extra_args=["--disable-cuda-graph"],
+    )
+    client = connect(redis_url, BROKER)
+    registry = EngineRegistry(client, shared)
+    fleet = Fleet(shared, engine, registry, ports=[free_port()])
+    try:
+        (url,) = await fleet.start()
+        (entry,) = await registry.list()
+        assert (entry.url, entry.health, entry.ranks, entry.kind) == (url, "healthy", 1, "sglang")
+        _, engine_cfg, rollout = configs(
+            model_dir, [url], run_id="sgl", group_size=4, task=TaskConfig(name="arithmetic", train_size=8)
+        )
+        stats = await run_worker(redis_url, shared, engine_cfg, rollout)
+    finally:
+        await fleet.stop()
+        await client.aclose()
+    assert stats.finished and stats.groups_produced == 8
+    records = await read_records(redis_url, shared)
+    assert Counter(g.prompt_index for g in records) == Counter(range(8))
+    for g in records:
+        for s in g.samples:
+            assert s.num_tokens() >= 1 and (s.versions == 0).all() and s.reward_status == "ok"
+            assert s.logprobs.max() <= 1e-3
