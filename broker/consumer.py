@@ -2,12 +2,15 @@
 
 Delivery rules (docs/broker.md has the full story):
 
-* :meth:`Consumer.read` hands out decoded, validated groups. An entry that fails to decode or validate, or that
-  was delivered more than ``max_deliveries`` times, goes to the dead-letter stream with its reason and raw
-  fields, is acknowledged and leaves the backlog, all in one Lua script; the consumer moves on.
+* :meth:`Consumer.read` hands out decoded, validated groups, in stream order. A payload stored beside its entry
+  (``ref``, see broker/producer.py) is fetched in the round trip after XREADGROUP, together with the duplicate
+  check and the counters. An entry that fails to decode or validate, or that was delivered more than
+  ``max_deliveries`` times, goes to the dead-letter stream with its reason and raw fields, is acknowledged and
+  leaves the backlog, all in one Lua script; the consumer moves on.
 * The caller acknowledges explicitly with :meth:`Consumer.ack` - the learner does so only once the checkpoint
-  containing the entries' effect is durable. XACK, the backlog decrement (by the number actually acknowledged)
-  and the record of acknowledged group ids happen in one Lua script, so a retried ack is harmless.
+  containing the entries' effect is durable. XACK, the backlog decrement (by the number actually acknowledged),
+  the record of acknowledged group ids and the deletion of stored payloads happen in one Lua script, so a
+  retried ack is harmless.
 * A group id that this consumer group already acknowledged, or that is already handed out under another entry
   id, is a duplicate: it is acknowledged at once and counted, never handed out twice.
 * :meth:`Consumer.claim_stale` takes over entries a dead consumer left pending (XAUTOCLAIM after
@@ -160,6 +163,14 @@ class _Bad:
 
 def _text(raw: Any) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def _int(raw: Any) -> int:
+    """An entry's integer field, 0 when absent or malformed (counters must not crash the consumer)."""
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:
@@ -374,7 +385,7 @@ class Consumer:
             gid = _text(fields.get(b"gid", b""))
             ref = _text(fields.get(b"ref", b"")) if b"d" not in fields else ""
             batch.append(_Entry(entry_id, fields, gid, ref, fields.get(b"d"), counts.get(entry_id, 1)))
-        nbytes = sum(len(e.payload) if e.payload is not None else int(e.fields.get(b"n", 0)) for e in batch)
+        nbytes = sum(len(e.payload) if e.payload is not None else _int(e.fields.get(b"n")) for e in batch)
         pipe = self.client.pipeline(transaction=False)
         refs = [e for e in batch if e.ref]
         for e in refs:

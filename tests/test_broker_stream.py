@@ -169,7 +169,7 @@ async def test_malformed_entries_are_dead_lettered_while_good_ones_flow(client, 
         ),
         "missing entry field": ({"v": 1, "gid": group(106).group_id}, "missing_field", "['d'] missing"),
         "missing payload key": (
-            {"v": 1, "gid": group(107).group_id, "n": 10, "ref": SHARED.key("nowhere")},
+            {"v": 1, "gid": group(107).group_id, "n": "ten", "ref": SHARED.key("nowhere")},
             "missing_payload",
             "does not exist",
         ),
