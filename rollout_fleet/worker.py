@@ -60,6 +60,7 @@ from rollout_fleet.tasks import TRAIN, Prompt, RewardResult, Task
 
 log = logging.getLogger("streamrl.rollout")
 
+PROMPT_CACHE_SIZE = 1024  # token ids of recent prompts (each is tokenised once per group at least)
 MAX_ZERO_TOKEN_ABORTS = 1000  # a sample aborted this often before its first token is handed back
 DROP, HAND_BACK = "drop", "hand_back"
 
@@ -333,7 +334,7 @@ class RolloutWorker:
         ids = self._prompt_ids.get(prompt.index)
         if ids is None:
             ids = [int(t) for t in self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]]
-            if len(self._prompt_ids) >= 65536:
+            if len(self._prompt_ids) >= PROMPT_CACHE_SIZE:
                 self._prompt_ids.clear()
             self._prompt_ids[prompt.index] = ids
         return ids
