@@ -13,7 +13,6 @@ import aiohttp
 import pytest
 import torch
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from broker.client import connect
 from broker.config import BrokerConfig, SharedConfig
@@ -29,25 +28,10 @@ from broker.prometheus import (
 from rollout_fleet.engine.core import Engine
 from rollout_fleet.engine.server import ServerSettings, ServerThread
 from rollout_fleet.model import init_tiny_model
+from tests.prom import samples, scrape
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(60)
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """{(sample name, sorted labels): value} of a Prometheus text exposition."""
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        assert resp.status == 200
-        assert resp.headers["Content-Type"].startswith("text/plain")
-        return resp.read().decode()
 
 
 def test_names_follow_prometheus_rules_and_integer_suffixes_become_buckets() -> None:
@@ -85,7 +69,7 @@ def test_standalone_server_serves_the_latest_values_and_reports_a_failing_source
     server = start_metrics_server("127.0.0.1", 0, "learner", source, labels={"run": "r1"})
     try:
         assert server.port > 0
-        got = samples(scrape(server.url))
+        got = scrape(server.url)
         run = (("run", "r1"),)
         assert got[("streamrl_learner_step", run)] == 3
         assert got[("streamrl_learner_loss", run)] == 0.5
@@ -96,12 +80,12 @@ def test_standalone_server_serves_the_latest_values_and_reports_a_failing_source
         assert any(name.startswith("process_") for name, _ in got)  # process CPU / memory come along
 
         latest.update({"step": 4, "loss": 0.25})  # the next scrape sees the role's newest numbers
-        got = samples(scrape(server.url))
+        got = scrape(server.url)
         assert got[("streamrl_learner_step", run)] == 4
         assert got[("streamrl_learner_loss", run)] == 0.25
 
         broken["fail"] = True
-        got = samples(scrape(server.url))
+        got = scrape(server.url)
         assert got[("streamrl_learner_source_ok", run)] == 0
         assert ("streamrl_learner_step", run) not in got
     finally:
@@ -187,13 +171,13 @@ async def test_engine_metrics_count_real_generations(model_dir: Path) -> None:
 def test_redis_role_exposes_the_servers_info(own_redis) -> None:
     server = start_metrics_server("127.0.0.1", 0, "redis", redis_info_source(own_redis.url, timeout_s=1.0))
     try:
-        got = samples(scrape(server.url))
+        got = scrape(server.url)
         assert got[("streamrl_redis_used_memory", ())] > 0
         assert got[("streamrl_redis_connected_clients", ())] >= 1
         assert got[("streamrl_redis_aof_enabled", ())] == 1  # the embedded server runs with AOF
         assert got[("streamrl_redis_source_ok", ())] == 1
         own_redis.kill()
-        got = samples(scrape(server.url))  # a dead server is a value, not a failed scrape
+        got = scrape(server.url)  # a dead server is a value, not a failed scrape
         assert got[("streamrl_redis_source_ok", ())] == 0
     finally:
         server.stop()
