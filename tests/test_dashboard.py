@@ -32,6 +32,7 @@ from broker.producer import Producer
 from broker.record import synthetic_group
 from broker.server import EmbeddedRedis
 from broker.version import PolicyVersion
+from rollout_fleet.registry import EngineRegistry
 from streamrl.config import DashboardConfig
 from streamrl.dashboard import RunningDashboard, start_dashboard
 
@@ -163,11 +164,11 @@ async def test_summary_shows_latest_points_version_broker_and_engines(client, da
     consumer = Consumer(client, SHARED, BROKER, "learner-0")
     assert len(await consumer.read(count=2)) == 2
 
-    # The engine registry (layout of rollout_fleet/registry.py: hash field engine id -> JSON entry).
-    registry = SHARED.key("engines")
-    entry = {"engine_id": "127.0.0.1:9", "url": "http://127.0.0.1:9", "ranks": 1, "health": "dead",
-             "weight_version": 2, "last_seen": 1.0}  # fmt: skip
-    await client.hset(registry, mapping={"127.0.0.1:9": json.dumps(entry), "broken": b"\x00not json"})
+    # The engine registry as the fleet writes it, plus an entry no writer should make (read defensively).
+    registry = EngineRegistry(client, SHARED)
+    await registry.register("http://127.0.0.1:9", kind="builtin", health="dead")
+    await registry.update("127.0.0.1:9", weight_version=2, last_seen=1.0)
+    await client.hset(registry.key, "broken", b"\x00not json")
 
     summary = await wait_summary(
         dash,

@@ -6,9 +6,9 @@ when a new step is written, and a screenshot is kept under test-artifacts/."""
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from broker.version import PolicyVersion
 from rollout_fleet.engine.core import Engine
 from rollout_fleet.engine.server import ServerSettings, ServerThread
 from rollout_fleet.model import init_tiny_model
+from rollout_fleet.registry import EngineRegistry
 from streamrl.config import DashboardConfig
 from streamrl.dashboard import start_dashboard
 from tests.dashboard_page import chromium, screenshot, tile, wait_for
@@ -122,8 +123,9 @@ async def write_run(client: aioredis.Redis, engine_url: str) -> dict[str, Any]:
     for i in range(6):
         await producer.send(synthetic_group(np.random.default_rng(i), prompt_index=i, num_samples=2))
     assert len(await Consumer(client, SHARED, BROKER, "learner-0").read(count=4)) == 4
-    entry = {"engine_id": engine_id, "url": engine_url, "ranks": 1, "health": "healthy", "weight_version": 0}
-    await client.hset(SHARED.key("engines"), engine_id, json.dumps(entry))
+    registry = EngineRegistry(client, SHARED)
+    await registry.register(engine_url, kind="builtin", source="test")
+    await registry.update(engine_id, health="healthy", weight_version=0, last_seen=time.time())
     last = learner_point(STEPS)
     return {"last": last, "engine_id": engine_id, "backlog": 6, "pending": 4, "lag": 2}
 
@@ -184,6 +186,7 @@ async def test_page_shows_the_runs_values_and_updates_live(browser, engine_url: 
         row = engines[expect["engine_id"]]
         assert row[2] == "healthy" and row[3] == "yes" and row[4] == "0"  # health, reachable, weight version
         assert row[7] == "3"  # requests the rollout workers have outstanding on it
+        assert row[9].endswith("s ago")  # the registry's last successful probe
         assert state["outcomes"]["learner totals/trained"] == str(16 * STEPS)
         assert state["outcomes"]["broker/produced"] == "6"
 
