@@ -268,6 +268,48 @@ def redis_info_source(url: str, timeout_s: float = 2.0) -> MetricsSource:
     return source
 
 
+def stream_latest_source(
+    url: str | Callable[[], str], stream_key: str, timeout_s: float = 2.0
+) -> MetricsSource:
+    """A source reading the newest point of a metrics stream (``MetricsWriter``'s ``metrics:<role>``) from Redis
+    on every scrape: a role can expose exactly what it writes without any hook in its loop. ``url`` may be a
+    function (e.g. resolving the embedded server's URL file), called until it returns; until then, and
+    whenever Redis does not answer, the scrape reports ``source_ok 0``."""
+    import redis
+
+    state: dict[str, Any] = {}
+
+    def client() -> redis.Redis:
+        if "client" not in state:
+            target = url() if callable(url) else url
+            state["client"] = redis.Redis.from_url(
+                target, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+            )
+        return state["client"]
+
+    def source() -> dict[str, Any]:
+        rows = client().xrevrange(stream_key, "+", "-", count=1)
+        if not rows:
+            return {}
+        return {_decode(k): _parse_number(_decode(v)) for k, v in rows[0][1].items()}
+
+    return source
+
+
+def _decode(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def _parse_number(text: str) -> float | int | str:
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+
 class LatestMetrics:
     """The latest numbers of a role, updated by its loop and read by a metrics server (thread-safe).
 

@@ -50,7 +50,7 @@ from broker.config import BrokerConfig, SharedConfig
 from broker.configlib import ConfigError, Section, load_config, render_help
 from broker.discovery import RedisNotFound, resolve_redis_url
 from broker.metrics import BrokerMetrics, MetricsReader
-from broker.prometheus import metrics_route
+from broker.prometheus import MetricsServer, metrics_route, start_metrics_server, stream_latest_source
 from broker.version import PolicyVersion
 from streamrl.config import DashboardConfig, StreamRLConfig, env_defaults
 
@@ -526,6 +526,25 @@ def run_dashboard(shared: SharedConfig, dashboard: DashboardConfig, broker: Brok
         log.error("cannot serve the dashboard on %s:%d: %s", dashboard.host, dashboard.port, exc)
         return 1
     return 0
+
+
+def serve_role_metrics(config: StreamRLConfig, role: str, index: int = 0) -> MetricsServer | None:
+    """Start the Prometheus endpoint of a role without an HTTP server of its own (learner, eval, rollout worker
+    ``index``) at ``dashboard.metrics_host : dashboard.metrics_port(role, index)``, serving the newest point
+    the role wrote to ``metrics:<role>`` plus its process' CPU and memory. Call it in the role's process
+    before it starts. None when disabled (``metrics_base_port = 0``) or when the port is taken: a missing
+    metrics endpoint is logged, never a reason for the role itself to fail."""
+    port = config.dashboard.metrics_port(role, index)
+    if port is None:
+        return None
+    shared = config.shared
+    source = stream_latest_source(lambda: resolve_redis_url(shared), shared.key(f"metrics:{role}"))
+    labels = {"run": shared.run_id} if role != "rollout" else {"run": shared.run_id, "worker": str(index)}
+    try:
+        return start_metrics_server(config.dashboard.metrics_host, port, role, source, labels)
+    except OSError as exc:
+        log.warning("no Prometheus endpoint for %s: port %d: %s", role, port, exc)
+        return None
 
 
 def run(config: StreamRLConfig) -> int:

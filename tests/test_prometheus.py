@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 import urllib.request
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from broker.prometheus import (
 from rollout_fleet.engine.core import Engine
 from rollout_fleet.engine.server import ServerSettings, ServerThread
 from rollout_fleet.model import init_tiny_model
+from streamrl.config import DashboardConfig, StreamRLConfig
+from streamrl.dashboard import serve_role_metrics
 from tests.prom import samples, scrape
 
 torch.set_num_threads(1)
@@ -179,5 +182,72 @@ def test_redis_role_exposes_the_servers_info(own_redis) -> None:
         own_redis.kill()
         got = scrape(server.url)  # a dead server is a value, not a failed scrape
         assert got[("streamrl_redis_source_ok", ())] == 0
+    finally:
+        server.stop()
+
+
+def free_base_port(offsets: tuple[int, ...]) -> int:
+    """A base port whose base + offset ports are all free now (bounded search)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + max(offsets) > 65000:
+            continue
+        try:
+            for off in offsets:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + off))
+        except OSError:
+            continue
+        return base
+    raise AssertionError("no free base port found")
+
+
+def test_role_endpoints_serve_what_each_role_wrote(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    base = free_base_port((0, 1, 11))
+    shared = SharedConfig(run_id="roles", redis_url=redis_url, run_dir=tmp_path)
+    config = StreamRLConfig(shared=shared, dashboard=DashboardConfig(metrics_base_port=base))
+
+    async def write() -> None:
+        client = connect(redis_url)
+        await MetricsWriter(client, shared, "learner").write(
+            {"step": 7.0, "staleness/hist/1": 12, "loss": 0.5}
+        )
+        await MetricsWriter(client, shared, "rollout").write({"tokens_per_s": 321.5})
+        await client.aclose()
+
+    asyncio.run(write())
+    learner = serve_role_metrics(config, "learner")
+    worker = serve_role_metrics(config, "rollout", index=1)
+    assert learner is not None and worker is not None
+    try:
+        assert (learner.port, worker.port) == (base, base + 11)
+        got = scrape(learner.url)
+        run = (("run", "roles"),)
+        assert got[("streamrl_learner_step", run)] == 7.0
+        assert got[("streamrl_learner_loss", run)] == 0.5
+        assert got[("streamrl_learner_staleness_hist", (("bucket", "1"), ("run", "roles")))] == 12
+        assert any(name == "process_resident_memory_bytes" for name, _ in got)
+        got = scrape(worker.url)
+        assert got[("streamrl_rollout_tokens_per_s", (("run", "roles"), ("worker", "1")))] == 321.5
+        # A taken port or a disabled base gives no endpoint, and no exception for the role to die of.
+        assert serve_role_metrics(config, "learner") is None
+        disabled = StreamRLConfig(shared=shared, dashboard=DashboardConfig(metrics_base_port=0))
+        assert serve_role_metrics(disabled, "learner") is None
+    finally:
+        learner.stop()
+        worker.stop()
+    # No Redis yet (embedded server not started, no URL): the endpoint answers and says the source failed.
+    lonely = StreamRLConfig(
+        shared=SharedConfig(run_dir=tmp_path / "none"), dashboard=DashboardConfig(metrics_base_port=base)
+    )
+    server = serve_role_metrics(lonely, "eval")
+    assert server is not None
+    try:
+        assert scrape(server.url)[("streamrl_eval_source_ok", (("run", "default"),))] == 0
     finally:
         server.stop()
