@@ -78,7 +78,8 @@ class Intake:
         self.contained: set[str] = (
             set()
         )  # group ids of the restored checkpoint window (already in the weights)
-        self.totals: dict[str, int] = {}
+        self.totals: dict[str, int] = {}  # groups by outcome (trained or a drop reason), since the run began
+        self.sample_totals: dict[str, int] = {}  # samples by outcome
         self._partial: StepBatch | None = None  # collected so far when next_batch ran out of time
         self._carry: list[Delivery] = []  # fetched beyond a full step: first in line for the next one
         self._last_claim = 0.0
@@ -140,6 +141,7 @@ class Intake:
         self.ledger.append(LedgerEntry(delivery.entry_id, delivery.group.group_id, outcome))
         key = outcome.split(":", 1)[-1] if outcome != "trained" else "trained"
         self.totals[key] = self.totals.get(key, 0) + 1
+        self.sample_totals[key] = self.sample_totals.get(key, 0) + len(delivery.group.samples)
 
     def _return_unused(self, batch: StepBatch) -> None:
         """A stop while collecting: groups already taken stay pending (unacknowledged) and are re-read after a
@@ -147,6 +149,8 @@ class Intake:
         unused = {d.entry_id for d in batch.deliveries}
         self.ledger = [e for e in self.ledger if e.entry_id not in unused]
         self.totals["trained"] = self.totals.get("trained", 0) - len(unused)
+        samples = sum(len(d.group.samples) for d in batch.deliveries)
+        self.sample_totals["trained"] = self.sample_totals.get("trained", 0) - samples
 
     async def acknowledge(self, entries: list[LedgerEntry]) -> int:
         """Acknowledge a durable checkpoint's ledger and trim the stream below the oldest pending entry."""

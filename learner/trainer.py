@@ -212,6 +212,8 @@ class Learner:
             published = self._call(self.policy_version.get())
             if meta is not None:
                 self.intake.contained = {e.group_id for e in meta.ledger}
+                self.intake.totals = dict(meta.extra.get("totals", {}))
+                self.intake.sample_totals = dict(meta.extra.get("sample_totals", {}))
                 done = self._call(self.intake.acknowledge(meta.ledger))
                 log.info("acknowledged %d entries contained in the restored checkpoint", done)
         published = self._broadcast(published)
@@ -349,6 +351,7 @@ class Learner:
             idle_ratio=batch.wait_s / wall if wall > 0 else 0.0,
             trained_tokens_per_s=tokens / wall if wall > 0 else 0.0,
             **{f"total/{k}": float(v) for k, v in self.intake.totals.items()},
+            **{f"samples/{k}": float(v) for k, v in self.intake.sample_totals.items()},
         )
         self._last_publish_metrics = {}
         self._call(self.metrics.write(metrics))
@@ -370,7 +373,11 @@ class Learner:
             policy_version=self.version,
             scheduler=self.scheduler.state_dict(),
             ledger=ledger,
-            extra={"skipped_steps": self.skipped_steps},
+            extra={
+                "skipped_steps": self.skipped_steps,
+                "totals": self.intake.totals if self.info.is_main else {},
+                "sample_totals": self.intake.sample_totals if self.info.is_main else {},
+            },
         )
         path = self.checkpoints.save(self.model, self.optimizer, meta)
         if self.config.export_hf:

@@ -11,7 +11,9 @@ training prompts (``rollout_fleet.tasks``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +21,14 @@ from typing import Any
 import aiohttp
 from pydantic import Field
 
+from broker.client import connect
+from broker.config import BrokerConfig, SharedConfig
 from broker.configlib import Section
+from broker.discovery import resolve_redis_url
+from broker.metrics import MetricsWriter
+from broker.version import PolicyVersion
 from rollout_fleet.client import EngineClient, SamplingConfig, build_generate_request
+from rollout_fleet.config import RolloutConfig
 from rollout_fleet.tasks import TEST, Prompt, Task
 
 log = logging.getLogger("streamrl.eval")
@@ -29,8 +37,12 @@ log = logging.getLogger("streamrl.eval")
 class EvalConfig(Section):
     """Held-out evaluation through the engines while training runs."""
 
-    every_versions: int = Field(5, ge=1, description="Evaluate whenever the policy version advanced this much.")
-    heldout_prompts: int = Field(200, ge=1, description="Held-out prompts per evaluation (the task's test split).")
+    every_versions: int = Field(
+        5, ge=1, description="Evaluate whenever the policy version advanced this much."
+    )
+    heldout_prompts: int = Field(
+        200, ge=1, description="Held-out prompts per evaluation (the task's test split)."
+    )
     max_new_tokens: int = Field(128, ge=1, description="Output budget of an evaluation sample.")
     sampled_temperature: float = Field(1.0, gt=0, description="Temperature of the sampled accuracy.")
     concurrency: int = Field(64, ge=1, description="Evaluation requests in flight at once.")
@@ -115,3 +127,89 @@ async def evaluate_through_engines(
         version=min(v for _, _, _, v in results),
         seconds=time.monotonic() - started,
     )
+
+
+def _tokenizer_and_task(shared: SharedConfig, rollout: RolloutConfig) -> tuple[Any, Task]:
+    from transformers import AutoTokenizer
+
+    from rollout_fleet.tasks.config import build_task
+
+    path = rollout.tokenizer_path or shared.model_path
+    if path is None:
+        raise ValueError("shared.model_path is not set: the evaluator needs the model's tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return tokenizer, build_task(rollout.task, tokenizer)
+
+
+def _stop_ids(tokenizer: Any, rollout: RolloutConfig) -> tuple[int, ...]:
+    ids = set(rollout.stop_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+async def run_evaluation_once(
+    shared: SharedConfig, rollout: RolloutConfig, config: EvalConfig, label: str = ""
+) -> dict[str, float]:
+    """One evaluation of what the engines serve now, written to the ``eval`` metrics stream."""
+    tokenizer, task = _tokenizer_and_task(shared, rollout)
+    result = await evaluate_through_engines(
+        list(rollout.engine_urls),
+        task,
+        tokenizer,
+        config,
+        _stop_ids(tokenizer, rollout),
+        shared.http_timeout_s * 4,
+    )
+    metrics = result.as_metrics()
+    client = connect(resolve_redis_url(shared))
+    try:
+        await MetricsWriter(client, shared, "eval").write(metrics)
+    finally:
+        await client.aclose()
+    log.info("eval %s: %s", label, metrics)
+    return metrics
+
+
+async def evaluator_loop(
+    shared: SharedConfig, rollout: RolloutConfig, config: EvalConfig, stop: asyncio.Event
+) -> None:
+    """Evaluate whenever the published policy version advanced by ``every_versions`` since the last one."""
+    tokenizer, task = _tokenizer_and_task(shared, rollout)
+    client = connect(resolve_redis_url(shared, wait_s=30))
+    versions = PolicyVersion(client, shared, BrokerConfig())
+    writer = MetricsWriter(client, shared, "eval")
+    last: int | None = None
+    try:
+        while not stop.is_set():
+            version = await versions.get()
+            if version is not None and (last is None or version - last >= config.every_versions):
+                result = await evaluate_through_engines(
+                    list(rollout.engine_urls), task, tokenizer, config, _stop_ids(tokenizer, rollout),
+                    shared.http_timeout_s * 4,
+                )  # fmt: skip
+                await writer.write(result.as_metrics())
+                log.info("eval at version %d: greedy %.3f sampled %.3f", result.version,
+                         result.greedy_accuracy, result.sampled_accuracy)  # fmt: skip
+                last = version
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), config.poll_s)
+    finally:
+        await client.aclose()
+
+
+def run_evaluator(shared: SharedConfig, rollout: RolloutConfig, config: EvalConfig) -> int:
+    """``streamrl eval``: evaluate alongside training until SIGTERM / SIGINT."""
+    if not rollout.engine_urls:
+        log.error("rollout.engine_urls is empty: the evaluator needs the engines' URLs")
+        return 2
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await evaluator_loop(shared, rollout, config, stop)
+
+    asyncio.run(main())
+    return 0

@@ -6,6 +6,7 @@ import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from broker.configlib import ConfigError, dump_config, render_help
 from streamrl.config import StreamRLConfig, load
@@ -57,6 +58,32 @@ def _run_learner(config: StreamRLConfig) -> int:
     return run_learner(role)
 
 
+def _run_rollout(config: StreamRLConfig) -> int:
+    from rollout_fleet.main import run_rollout
+
+    return run_rollout(
+        config.shared, config.broker, config.engine, config.rollout, config.learner.groups_per_step
+    )
+
+
+def _run_eval(config: StreamRLConfig) -> int:
+    from rollout_fleet.evaluator import run_evaluator
+
+    return run_evaluator(config.shared, config.rollout, config.eval)
+
+
+def _run_dashboard(config: StreamRLConfig) -> int:
+    from streamrl.dashboard import run_dashboard
+
+    return run_dashboard(config.shared, config.dashboard, config.broker)
+
+
+def _run_up(config: StreamRLConfig) -> int:
+    from streamrl.up import run_up
+
+    return run_up(config)
+
+
 COMMANDS: dict[str, Command] = {
     "redis": Command("run the embedded Redis server until stopped", ("shared", "redis"), _run_redis),
     "engine": Command(
@@ -65,20 +92,44 @@ COMMANDS: dict[str, Command] = {
     "rollout": Command(
         "run rollout workers writing trajectory groups to the stream",
         ("shared", "broker", "engine", "rollout"),
-        _not_yet(3, "rollout"),
+        _run_rollout,
     ),
     "learner": Command(
         "train from the stream and publish weights",
         ("shared", "broker", "learner", "weight_sync"),
         _run_learner,
     ),
-    "dashboard": Command("serve the live dashboard", ("shared", "dashboard"), _not_yet(6, "dashboard")),
+    "eval": Command(
+        "evaluate held-out accuracy through the engines as training goes",
+        ("shared", "rollout", "eval"),
+        _run_eval,
+    ),
+    "dashboard": Command("serve the live dashboard", ("shared", "dashboard", "broker"), _run_dashboard),
     "up": Command(
         "start every role on this node under one supervisor",
         tuple(StreamRLConfig.model_fields),
-        _not_yet(6, "up (the main job)"),
+        _run_up,
     ),
 }
+
+
+def _resume_args(name: str, args: list[str]) -> list[str]:
+    """``up --resume RUN_DIR``: the run's resolved config first, then whatever else was given."""
+    if name != "up" or "--resume" not in args and not any(a.startswith("--resume=") for a in args):
+        return args
+    out, run_dir = [], None
+    i = 0
+    while i < len(args):
+        if args[i] == "--resume":
+            run_dir, i = args[i + 1] if i + 1 < len(args) else None, i + 2
+        elif args[i].startswith("--resume="):
+            run_dir, i = args[i].split("=", 1)[1], i + 1
+        else:
+            out.append(args[i])
+            i += 1
+    if not run_dir or not (Path(run_dir) / "config.toml").is_file():
+        raise ConfigError(f"--resume {run_dir!r}: no run directory with a config.toml there")
+    return ["--config", str(Path(run_dir) / "config.toml"), f"--shared.run_dir={run_dir}", *out]
 
 
 def _usage() -> str:
@@ -104,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(render_help(StreamRLConfig, command.sections))
         return 0
     try:
+        rest = _resume_args(name, rest)
         config = load(rest)
     except ConfigError as exc:
         print(f"streamrl {name}: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ from broker.config import BrokerConfig, RedisServerConfig, SharedConfig
 from broker.configlib import Section, load_config
 from learner.config import LearnerConfig
 from rollout_fleet.config import EngineConfig, RolloutConfig
+from rollout_fleet.evaluator import EvalConfig
 from weight_sync.config import WeightSyncConfig
 
 # Offsets from dashboard.metrics_base_port of the Prometheus endpoints of roles without an HTTP server of their
@@ -67,6 +68,14 @@ class DashboardConfig(Section):
         return self.metrics_base_port + METRICS_PORT_OFFSETS[role] + index
 
 
+class UpConfig(Section):
+    """``streamrl up``: the single-node supervisor of every role."""
+
+    grace_s: float = Field(40.0, gt=0, description="SIGTERM grace per role before it is killed, seconds.")
+    engine_restarts: int = Field(3, ge=0, description="Restarts of an engine that dies before up gives up.")
+    status_interval_s: float = Field(10.0, gt=0, description="Seconds between two live status lines.")
+
+
 class StreamRLConfig(Section):
     """The whole run. Sections are owned by the role packages; this class only assembles and cross-checks."""
 
@@ -82,6 +91,10 @@ class StreamRLConfig(Section):
         default_factory=WeightSyncConfig, description="Learner-to-engine sync."
     )
     dashboard: DashboardConfig = Field(default_factory=DashboardConfig, description="The live dashboard.")
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig, description="Held-out evaluation alongside training."
+    )
+    up: UpConfig = Field(default_factory=UpConfig, description="The single-node supervisor (streamrl up).")
 
     @model_validator(mode="after")
     def _check_cross_role_rules(self) -> StreamRLConfig:

@@ -67,7 +67,10 @@ def run_engine(shared: SharedConfig, engine: EngineConfig, extensions: Iterable[
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(served, engine.host, port, stop, server_settings(engine), extensions=extensions)
+        from rollout_fleet.engine.weights import weight_sync_extension
+
+        all_extensions = [weight_sync_extension(engine.control_timeout_s), *extensions]
+        await serve(served, engine.host, port, stop, server_settings(engine), extensions=all_extensions)
 
     try:
         asyncio.run(main())

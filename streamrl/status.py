@@ -1,0 +1,128 @@
+"""The live status line of ``streamrl up`` and the totals of its summary, read from the run's Redis."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from broker.client import BrokerKeys
+from broker.discovery import RedisNotFound, resolve_redis_url
+from streamrl.config import StreamRLConfig
+
+
+def _numbers(fields: dict[bytes, bytes]) -> dict[str, float]:
+    out = {}
+    for k, v in fields.items():
+        try:
+            out[k.decode()] = float(v)
+        except ValueError:
+            continue
+    return out
+
+
+class StatusReader:
+    """Reads the latest learner, rollout and eval points and the stream backlog (synchronous client)."""
+
+    def __init__(self, config: StreamRLConfig) -> None:
+        self.config = config
+        self.keys = BrokerKeys.of(config.shared, config.broker)
+        self._client: redis.Redis | None = None
+
+    @property
+    def client(self) -> redis.Redis | None:
+        if self._client is None:
+            try:
+                url = resolve_redis_url(self.config.shared)
+            except RedisNotFound:
+                return None
+            self._client = redis.Redis.from_url(url, socket_timeout=5)
+        return self._client
+
+    def latest(self, role: str) -> dict[str, float]:
+        if self.client is None:
+            return {}
+        rows = self.client.xrevrange(self.config.shared.key(f"metrics:{role}"), count=1)
+        return _numbers(rows[0][1]) if rows else {}
+
+    def rollout_totals(self) -> dict[str, float]:
+        """Sum of the latest point of every rollout worker (each writes its own role stream)."""
+        if self.client is None:
+            return {}
+        total: dict[str, float] = {}
+        for key in self.client.scan_iter(self.config.shared.key("metrics:rollout*")):
+            rows = self.client.xrevrange(key, count=1)
+            for k, v in (_numbers(rows[0][1]) if rows else {}).items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+    def backlog(self) -> int:
+        if self.client is None:
+            return 0
+        return int(self.client.get(self.keys.backlog) or 0)
+
+    def snapshot(self) -> dict[str, Any]:
+        try:
+            return {
+                "learner": self.latest("learner"),
+                "eval": self.latest("eval"),
+                "rollout": self.rollout_totals(),
+                "backlog": self.backlog(),
+            }
+        except redis.RedisError:
+            return {}
+
+    def ticker(self, interval_s: float) -> Callable[[], None]:
+        """An on_tick callback for the supervisor that prints a status line every ``interval_s``."""
+        last = [0.0]
+
+        def tick() -> None:
+            if time.monotonic() - last[0] < interval_s:
+                return
+            last[0] = time.monotonic()
+            snap = self.snapshot()
+            if snap:
+                print(format_status(snap), file=sys.stdout, flush=True)
+
+        return tick
+
+    def final_totals(self) -> dict[str, Any]:
+        try:
+            learner = self.latest("learner")
+        except redis.RedisError:
+            learner = {}
+        dropped = {
+            k.split("/", 1)[1]: int(v)
+            for k, v in learner.items()
+            if k.startswith("samples/") and k != "samples/trained"
+        }
+        return {
+            "steps": int(learner.get("step", 0)),
+            "policy_version": int(learner.get("policy_version", 0)),
+            "samples_trained": int(learner.get("samples/trained", 0)),
+            "samples_dropped": sum(dropped.values()),
+            "samples_dropped_by_reason": dropped,
+        }
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+def format_status(snap: dict[str, Any]) -> str:
+    learner, ev, rollout = snap.get("learner", {}), snap.get("eval", {}), snap.get("rollout", {})
+
+    def f(d: dict[str, float], key: str, fmt: str = "{:.3f}") -> str:
+        return fmt.format(d[key]) if key in d else "-"
+
+    return (
+        f"step {f(learner, 'step', '{:.0f}')} | version {f(learner, 'policy_version', '{:.0f}')} | "
+        f"reward {f(learner, 'reward_mean')} | held-out {f(ev, 'greedy_accuracy')} greedy, "
+        f"{f(ev, 'sampled_accuracy')} sampled (v{f(ev, 'policy_version', '{:.0f}')}) | "
+        f"staleness {f(learner, 'staleness/mean', '{:.2f}')} (max {f(learner, 'staleness/max', '{:.0f}')}) | "
+        f"gen {f(rollout, 'tokens_per_s', '{:.0f}')} tok/s, "
+        f"train {f(learner, 'trained_tokens_per_s', '{:.0f}')} tok/s | backlog {snap.get('backlog', 0)}"
+    )
