@@ -29,14 +29,6 @@ class Command:
     run: Callable[[StreamRLConfig], int]
 
 
-def _not_yet(issue: int, what: str) -> Callable[[StreamRLConfig], int]:
-    def run(config: StreamRLConfig) -> int:
-        print(f"streamrl: {what} is not implemented yet (tracked in issue #{issue}).", file=sys.stderr)
-        return 2
-
-    return run
-
-
 def _run_redis(config: StreamRLConfig) -> int:
     from broker.main import run_redis
 
@@ -86,9 +78,7 @@ def _run_up(config: StreamRLConfig) -> int:
 
 COMMANDS: dict[str, Command] = {
     "redis": Command("run the embedded Redis server until stopped", ("shared", "redis"), _run_redis),
-    "engine": Command(
-        "serve a model over SGLang's HTTP protocol", ("shared", "engine"), _not_yet(3, "engine")
-    ),
+    "engine": Command("serve a model over SGLang's HTTP protocol", ("shared", "engine"), _run_engine),
     "rollout": Command(
         "run rollout workers writing trajectory groups to the stream",
         ("shared", "broker", "engine", "rollout"),
