@@ -92,7 +92,7 @@ class StatusReader:
     def final_totals(self) -> dict[str, Any]:
         try:
             learner = self.latest("learner")
-        except redis.RedisError:
+        except (redis.RedisError, OSError):
             learner = {}
         dropped = {
             k.split("/", 1)[1]: int(v)

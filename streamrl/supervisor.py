@@ -118,8 +118,9 @@ class Supervisor:
         log.info("received %s: stopping all roles", signal.Signals(signum).name)
         self.stop_requested.set()
 
-    def watch(self, on_tick: Callable[[], None] | None = None) -> int:
-        """Supervise until a stop is requested, a finishing child exits 0, or a child fails; then stop all.
+    def watch(self, on_tick: Callable[[], None] | None = None, stop_at_end: bool = True) -> int:
+        """Supervise until a stop is requested, a finishing child exits 0, or a child fails; then stop all
+        (unless ``stop_at_end`` is False and the run finished cleanly: the caller still needs the others).
 
         Returns 0 for a clean stop and 1 when a child failed (``self.failure`` says which and why).
         """
@@ -133,7 +134,8 @@ class Supervisor:
         except ChildFailed as exc:
             self.failure = str(exc)
         finally:
-            self.stop_all()
+            if stop_at_end or self.failure or self.stop_requested.is_set():
+                self.stop_all()
         if self.failure:
             log.error("%s", self.failure)
             return 1

@@ -128,25 +128,25 @@ def run_up(config: StreamRLConfig) -> int:
         gen_started = time.time()
         for spec in after:
             sup.start(spec)
-        code = sup.watch(on_tick=status.ticker(cfg.up.status_interval_s))
+        code = sup.watch(on_tick=status.ticker(cfg.up.status_interval_s), stop_at_end=False)
+        summary["training_wall_seconds"] = time.time() - gen_started
         if code == 0 and not sup.stop_requested.is_set():
             summary["eval_after"] = evaluate_now(cfg, "after")
-        summary["training_wall_seconds"] = time.time() - gen_started
     except Exception as exc:  # a start that failed: say which role and why, stop the rest
         log.error("%s", exc)
         print(f"streamrl up: {exc}", file=sys.stderr, flush=True)
         code = 1
     finally:
+        totals = status.final_totals()  # before Redis stops
         sup.stop_all()
         status.close()
     if sup.failure:
         print(f"streamrl up: stopped because {sup.failure}", file=sys.stderr, flush=True)
-    write_summary(cfg, summary, started, status)
+    write_summary(cfg, summary, started, totals)
     return code
 
 
-def write_summary(cfg: StreamRLConfig, summary: dict[str, Any], started: float, status: StatusReader) -> None:
-    totals = status.final_totals()
+def write_summary(cfg: StreamRLConfig, summary: dict[str, Any], started: float, totals: dict[str, Any]) -> None:
     before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
     out = {
         "eval_reward_before": before.get("greedy_accuracy"),
