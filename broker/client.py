@@ -73,9 +73,9 @@ READER_MAX_BUFFER = 64 * 2**20
 
 
 # glibc serves allocations above a dynamic threshold (128 KiB at first) with mmap and unmaps them on free, so
-# every payload-sized buffer (encode, reply, decode) lands on fresh pages: measured 1 ms of page faults per
-# megabyte buffer on the development VM, twice the cost of the copy itself. A fixed 32 MiB threshold (glibc's
-# maximum) and a 256 MiB trim threshold keep freed buffers in the heap for reuse. Process-wide, once.
+# payload-sized buffers (encode, reply, decode) keep landing on fresh pages: on the development VM, copying an
+# 850 KB payload into a fresh buffer took 1.1 ms, into a reused one 0.2 ms. A fixed 32 MiB mmap threshold
+# (glibc's maximum) and a 256 MiB trim threshold keep freed buffers in the heap for reuse. Process-wide, once.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _allocator_tuned = False
 
