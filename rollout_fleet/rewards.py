@@ -192,7 +192,10 @@ class RewardPool:
         self, slot: _Slot, scorer: str, options: dict[str, Any], prompt: Prompt, completion: str
     ) -> RewardResult:
         if not slot.healthy or not slot.process.is_alive():
-            await self._restart(slot)
+            try:
+                await self._restart(slot)
+            except RuntimeError as e:
+                return RewardResult.failed("error", f"reward {scorer!r} not run: {e}")
         self._jobs += 1
         job, limit = self._jobs, self.load_timeout_s
         try:
