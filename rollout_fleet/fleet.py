@@ -5,7 +5,7 @@
 - ``engine.kind = "builtin"``: ``python -m rollout_fleet.engine --engine.port=P --shared.model_path=... ...``
   (every ``[engine]`` field is passed through, so the child serves exactly the configured engine);
 - ``engine.kind = "sglang"``: ``python -m sglang.launch_server --model-path ... --host ... --port P --tp-size T
-  --mem-fraction-static F --weight-version 0 ...`` (plus ``engine.extra_args``). SGLang is the optional extra
+  --mem-fraction-static F ...`` (plus ``engine.extra_args``). SGLang is the optional extra
   ``streamrl[sglang]``; without it the fleet refuses to start with an error that says so.
 
 Each engine's output goes to ``<log_dir>/engine-<i>.log``. An engine counts as ready when ``GET /health``
@@ -86,7 +86,6 @@ def engine_command(shared: SharedConfig, engine: EngineConfig, port: int) -> lis
             "--port", str(port),
             "--tp-size", str(engine.tp_size),
             "--mem-fraction-static", str(engine.mem_fraction_static),
-            "--weight-version", "0",
             "--max-running-requests", str(engine.max_running_requests),
             "--random-seed", str(engine.seed),
         ]  # fmt: skip

@@ -1,6 +1,6 @@
 """The same fleet and worker code against a real SGLang server on a GPU (needs the ``streamrl[sglang]`` extra):
 launch with the tiny model, readiness, registry entry with its ranks, and one epoch of valid records whose
-tokens carry version 0 (the fleet launches SGLang with ``--weight-version 0``). Deselected in CI (``gpu``)."""
+tokens carry version 0 (SGLang starts labelled "default", which the client reads as version 0). Deselected in CI (``gpu``)."""
 
 from __future__ import annotations
 
