@@ -393,6 +393,12 @@ class WeightSender:
         An engine whose init fails is quarantined and the group is built again without it.
         """
         newly: dict[str, str] = {}
+        # Engines that do not answer a probe now would only make every other member's join time out.
+        unreachable = {u: "no answer to a probe before the group was built"
+                       for u, ok in self._alive([e.url for e in self.healthy]).items() if not ok}  # fmt: skip
+        if unreachable:
+            self._quarantine(unreachable)
+            newly.update(unreachable)
         while True:
             try:
                 failures = self._build_group(self.healthy)
@@ -491,8 +497,11 @@ class WeightSender:
     def _blame(self, failures: dict[str, Reply]) -> dict[str, str]:
         """Which engines caused a failed step: dead ones (transport failure or no answer to a probe); if none
         is dead, those whose failure was not a timeout (a timeout is usually collateral); else all of them."""
-        alive = self._alive([e.url for e in self.members or self.healthy])
-        dead = {u: r.describe() for u, r in failures.items() if r.transport_failed}
+        alive = self._alive([e.url for e in self.members or self.healthy] + list(failures))
+        # A reply that timed out is no proof of death: an engine stuck waiting for a dead peer times out too.
+        dead = {
+            u: r.describe() for u, r in failures.items() if r.transport_failed and not alive.get(u, False)
+        }
         for url, ok in alive.items():
             if not ok and url not in dead:
                 dead[url] = "no answer to a probe after a failed update"
