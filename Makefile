@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test install lint format bench-quick clean
+.PHONY: run test install lint format bench-quick clean browser
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,11 +18,21 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 
 install: $(STAMP)
 
-# Until the main job (`streamrl up`) exists, `make run` runs the broker benchmark on the embedded Redis.
+# The main job on the embedded default: Redis, two built-in engines, a rollout worker, a 2-rank learner, the
+# evaluator and the dashboard, training the warm-started tiny model on the arithmetic task (eta = 2).
+RUN_ARGS ?=
 run: $(STAMP)
-	$(PY) -m benchmarks.broker_throughput --quick --out runs/broker_throughput.json
+	$(PY) -m streamrl up $(RUN_ARGS)
 
-test: $(STAMP)
+# The dashboard's browser test drives Debian's chromium through chromedriver (never a downloaded browser).
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+		echo "installing chromium and chromium-driver for the dashboard browser test"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
+		|| echo "warning: could not install chromium; the browser test will fail with instructions"; \
+	fi
+
+test: $(STAMP) browser
 	$(PY) -m ruff check .
 	$(PY) -m pytest -m "not gpu and not slow" $(PYTEST_ARGS)
 
