@@ -14,8 +14,9 @@ from broker.server import EmbeddedRedis, RedisServerError
 log = logging.getLogger("streamrl.redis")
 
 
-def run_redis(shared: SharedConfig, config: RedisServerConfig) -> int:
-    """Start the server, announce its URL, and supervise it until SIGTERM / SIGINT or until it dies."""
+def run_redis(shared: SharedConfig, config: RedisServerConfig, metrics_port: int | None = None) -> int:
+    """Start the server, announce its URL, and supervise it until SIGTERM / SIGINT or until it dies; with
+    ``metrics_port``, serve its INFO numbers for Prometheus there."""
     if shared.redis_url:
         log.info("shared.redis_url names an existing server; nothing is started")
         return 0
@@ -35,6 +36,7 @@ def run_redis(shared: SharedConfig, config: RedisServerConfig) -> int:
         server.port,
         server.data_dir / "url",
     )
+    metrics = _start_metrics(config.host, metrics_port, server.url)
     try:
         while not stop.wait(0.5):
             server.check()
@@ -42,8 +44,22 @@ def run_redis(shared: SharedConfig, config: RedisServerConfig) -> int:
         log.error("the Redis server died: %s", exc)
         return 1
     log.info("stopping redis")
+    if metrics is not None:
+        metrics.stop()
     server.stop()
     return 0
+
+
+def _start_metrics(host: str, port: int | None, url: str):  # noqa: ANN202 - MetricsServer | None
+    if not port:
+        return None
+    from broker.prometheus import redis_info_source, start_metrics_server
+
+    try:
+        return start_metrics_server(host, port, "redis", redis_info_source(url))
+    except OSError as exc:
+        log.warning("no Prometheus endpoint for redis on port %d: %s", port, exc)
+        return None
 
 
 class _RedisRoleConfig(Section):

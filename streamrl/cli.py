@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,16 +31,34 @@ class Command:
     run: Callable[[StreamRLConfig], int]
 
 
+def _with_prometheus(config: StreamRLConfig, role: str, index: int, run: Callable[[], int]) -> int:
+    """Run a role with its Prometheus endpoint (dashboard.metrics_port) up for its whole life."""
+    from streamrl.dashboard import serve_role_metrics
+
+    server = serve_role_metrics(config, role, index)
+    try:
+        return run()
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _worker_index(worker_id: str | None) -> int:
+    """The trailing number of a worker id ("worker-3" -> 3), which picks its Prometheus port; else 0."""
+    match = re.search(r"(\d+)$", worker_id or "")
+    return int(match.group(1)) if match else 0
+
+
 def _run_redis(config: StreamRLConfig) -> int:
     from broker.main import run_redis
 
-    return run_redis(config.shared, config.redis)
+    return run_redis(config.shared, config.redis, config.dashboard.metrics_port("redis"))
 
 
 def _run_engine(config: StreamRLConfig) -> int:
     from rollout_fleet.engine.main import run_engine
 
-    return run_engine(config.shared, config.engine)
+    return run_engine(config.shared, config.engine)  # the engine serves /metrics on its own HTTP port
 
 
 def _run_learner(config: StreamRLConfig) -> int:
@@ -47,21 +67,31 @@ def _run_learner(config: StreamRLConfig) -> int:
     role = LearnerRoleConfig(
         shared=config.shared, broker=config.broker, learner=config.learner, weight_sync=config.weight_sync
     )
-    return run_learner(role)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 serves the learner's metrics
+        return run_learner(role)
+    return _with_prometheus(config, "learner", 0, lambda: run_learner(role))
 
 
 def _run_rollout(config: StreamRLConfig) -> int:
     from rollout_fleet.main import run_rollout
 
-    return run_rollout(
-        config.shared, config.broker, config.engine, config.rollout, config.learner.groups_per_step
+    index = _worker_index(config.rollout.worker_id)
+    return _with_prometheus(
+        config,
+        "rollout",
+        index,
+        lambda: run_rollout(
+            config.shared, config.broker, config.engine, config.rollout, config.learner.groups_per_step
+        ),
     )
 
 
 def _run_eval(config: StreamRLConfig) -> int:
     from rollout_fleet.evaluator import run_evaluator
 
-    return run_evaluator(config.shared, config.rollout, config.eval)
+    return _with_prometheus(
+        config, "eval", 0, lambda: run_evaluator(config.shared, config.rollout, config.eval)
+    )
 
 
 def _run_dashboard(config: StreamRLConfig) -> int:
