@@ -93,7 +93,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     drawn_after_load = _rng_draw()
     torch.save(
         {"steps": steps, "trained": trained, "nan_applied": nan_applied, "after_nan": after_nan,
-         "restored": restored, "momentum_equal": all(torch.equal(a, b) for a, b in zip(momentum, restored_momentum)),
+         "restored": restored, "momentum_equal": all(torch.equal(a, b) for a, b in zip(momentum, restored_momentum, strict=True)),
          "rng": (drawn_after_save, drawn_diverged, drawn_after_load)},
         Path(out) / f"rank{rank}.pt",
     )  # fmt: skip
