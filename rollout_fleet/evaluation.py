@@ -31,6 +31,9 @@ def generate(
 ) -> list[list[int]]:
     """Generated token ids per prompt (up to and excluding EOS); temperature 0 is greedy.
 
+    Finished rows leave the batch (and the KV cache) once a quarter of it is done, so the long tail of a few
+    8-digit problems does not drag 200 rows through every decode step.
+
     Sampling draws from softmax(logits / temperature) with a generator seeded by ``seed``, so results are
     reproducible for a given batch layout.
     """
@@ -62,16 +65,24 @@ def _generate_batch(
     cache_arg = _cache_argument(model)
     result = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
     cache, logits = _cache_of(result), result.logits[:, -1]
-    next_pos = positions[:, -1:] + 1  # (B, 1)
-    finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    steps: list[torch.Tensor] = []
+    next_pos = positions[:, -1:] + 1  # (A, 1) for the A rows still in the batch
+    rows = list(range(len(prompts)))  # original prompt of each row in the batch
+    outputs: list[list[int]] = [[] for _ in prompts]
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # (A,) emitted EOS, awaiting removal
     for _ in range(max_new_tokens):
-        token = _pick(logits.float(), temperature, generator).to(device)  # (B,)
-        token = torch.where(finished, torch.full_like(token, pad), token)
-        steps.append(token)
-        finished |= token == eos
-        if bool(finished.all()):
+        token = _pick(logits.float(), temperature, generator).to(device)  # (A,)
+        token = torch.where(done, torch.full_like(token, pad), token)
+        for row, (tok, finished) in enumerate(zip(token.tolist(), done.tolist(), strict=True)):
+            if not finished:
+                outputs[rows[row]].append(tok)
+        done |= token == eos
+        if bool(done.all()):
             break
+        if int(done.sum()) * 4 >= len(rows):  # drop finished rows (cache included) once a quarter is done
+            keep = (~done).nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            token, mask, next_pos, done = token[keep], mask[keep], next_pos[keep], done[keep]
+            rows = [rows[i] for i in keep.tolist()]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         result = model(
             input_ids=token[:, None],
@@ -81,8 +92,7 @@ def _generate_batch(
             **{cache_arg: cache},
         )
         cache, logits, next_pos = _cache_of(result), result.logits[:, -1], next_pos + 1
-    generated = torch.stack(steps, dim=1).tolist()  # (B, T)
-    return [row[: row.index(eos)] if eos in row else row for row in generated]
+    return [out[: out.index(eos)] if eos in out else out for out in outputs]
 
 
 def _cache_argument(model: Any) -> str:

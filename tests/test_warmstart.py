@@ -92,6 +92,12 @@ def test_short_warm_start_learns_the_format_and_is_saved_with_its_record(
     # what was saved is what was trained: reloading reproduces the recorded held-out numbers exactly
     model, tokenizer = load_model(path)
     assert evaluate(model, tokenizer) == after
+    # batched generation (left padding, finished rows leaving the batch and its cache) equals one at a time
+    task = ArithmeticTask()
+    prompts = [task.make_prompt(i, "test").text for i in range(24)]
+    batched = generate(model, tokenizer, prompts)
+    assert sum(len(ids) < 96 for ids in batched) >= 12  # enough rows stop early for the batch to shrink
+    assert batched == [generate(model, tokenizer, [text])[0] for text in prompts]
 
 
 def test_warm_start_is_cached_and_fingerprinted(small_warm: tuple[Path, list[str]]) -> None:

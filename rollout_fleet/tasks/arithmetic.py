@@ -122,27 +122,44 @@ class ArithmeticTask(Task):
         return self.train_size if split == TRAIN else self.heldout_size
 
     def problem(self, index: int, split: str = TRAIN) -> Problem:
-        """The problem at (seed, split, index); str seeds are hashed with sha512, stable across runs."""
+        """The problem at (seed, split, index)."""
         self._check_request(index, split)
         if split == TEST and index >= self.heldout_size:
             raise TaskError(
                 f"task arithmetic: test index {index} out of range (heldout_size {self.heldout_size})"
             )
-        rng = random.Random(f"arithmetic:{self.seed}:{split}:{index}")
+        return self._draw(split, index, heldout=split == TEST)
+
+    def validation_prompt(self, index: int) -> Prompt:
+        """A prompt from the held-out problem space, from a stream separate from the test split's.
+
+        For model selection (the warm-start's stopping rule): like the test split, it is never trained on,
+        so memorised train problems cannot inflate it. It is not the test split, but the held-out space has
+        only ~14 one-digit pairs, so its one-digit problems coincide with the test split's.
+        """
+        if not isinstance(index, int) or index < 0:
+            raise TaskError(f"task arithmetic: validation index must be a non-negative int, got {index!r}")
+        return self._prompt(self._draw("validation", index, heldout=True), "validation", index)
+
+    def _draw(self, stream: str, index: int, heldout: bool) -> Problem:
+        """str seeds are hashed with sha512 by random.Random: stable across runs and PYTHONHASHSEED."""
+        rng = random.Random(f"arithmetic:{self.seed}:{stream}:{index}")
         digits = rng.choices(DIGIT_COUNTS, DIGIT_WEIGHTS)[0]
         low = 0 if digits == 1 else 10 ** (digits - 1)
         for _ in range(MAX_ATTEMPTS):
             problem = Problem(rng.randrange(low, 10**digits), rng.randrange(low, 10**digits))
-            if self.is_heldout(problem) == (split == TEST):
+            if self.is_heldout(problem) == heldout:
                 return problem
-        raise TaskError(f"task arithmetic: no {split} problem found at index {index}")
+        raise TaskError(f"task arithmetic: no {stream} problem found at index {index}")
 
     def is_heldout(self, problem: Problem) -> bool:
         """Whether the problem (in either order) belongs to the held-out space."""
         return in_heldout_space(self.seed, problem.key)
 
     def make_prompt(self, index: int, split: str = TRAIN) -> Prompt:
-        p = self.problem(index, split)
+        return self._prompt(self.problem(index, split), split, index)
+
+    def _prompt(self, p: Problem, split: str, index: int) -> Prompt:
         return Prompt(
             prompt_id=f"arithmetic/{self.seed}/{split}/{index}",
             text=p.text,
