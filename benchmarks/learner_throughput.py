@@ -1,0 +1,192 @@
+"""Learner throughput: trained tokens/s of one optimizer step with token-budget packing against padding every
+sequence to the longest of the batch.
+
+Same model (the tiny Qwen2, fp32, CPU, 1 torch thread), same sequences, same loss (decoupled PPO, token-mean),
+same micro-batch token budget, one process:
+
+* ``packing``: what the learner does: ``plan_step`` (longest first, micro-batches of padded size
+  rows x longest <= budget) then ``rank_micro_batches``.
+* ``padding``: every sequence right-padded to the longest sequence of the batch, ``budget // longest`` rows per
+  micro-batch (at least one), in the same order.
+
+The batch is long-tailed, as RL outputs are: most outputs 30-60 tokens, a few (``long_fraction``) 8-16x longer.
+Each repeat times one ``train_step`` of each way, alternating which goes first; tokens/s counts real (prompt +
+output) tokens. Before timing, both ways compute the loss of the same weights, which must agree (the padding is
+masked, so it changes the cost and nothing else).
+
+    python -m benchmarks.learner_throughput --quick --out runs/learner_throughput.json
+    python -m benchmarks.learner_throughput --out benchmarks/results/learner_throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import format_table, write_result
+from learner.config import LearnerConfig
+from learner.packing import (
+    MicroBatch,
+    TrainSequence,
+    collate,
+    plan_step,
+    rank_micro_batches,
+    step_loss_units,
+)
+from learner.step import train_step
+from rollout_fleet.model import init_tiny_model
+
+TARGETS = {"ratio_packing_vs_padding": (">=", 2.0)}
+MODES = {
+    "quick": {"sequences": 32, "long_fraction": 0.1, "budget": 2048, "repeats": 3},
+    "full": {"sequences": 64, "long_fraction": 0.06, "budget": 4096, "repeats": 7},
+}
+
+
+def long_tailed_batch(n: int, long_fraction: float, vocab: int, seed: int = 0) -> list[TrainSequence]:
+    """``n`` sequences: prompts of 10-30 tokens, outputs of 30-60 tokens, of which ``max(1, n * long_fraction)``
+    are 8-16x longer; behaviour log-probs near a uniform policy's, advantages of both signs."""
+    gen = torch.Generator().manual_seed(seed)
+    n_long = max(1, round(n * long_fraction))
+    long_rows = set(torch.randperm(n, generator=gen)[:n_long].tolist())
+    seqs = []
+    for i in range(n):
+        out = int(torch.randint(30, 61, (1,), generator=gen))
+        if i in long_rows:
+            out *= int(torch.randint(8, 17, (1,), generator=gen))
+        prompt = int(torch.randint(10, 31, (1,), generator=gen))
+        seqs.append(
+            TrainSequence(
+                prompt_ids=torch.randint(1, vocab, (prompt,), generator=gen),
+                output_ids=torch.randint(1, vocab, (out,), generator=gen),
+                logprobs=-4.6 + 0.3 * torch.randn(out, generator=gen),
+                versions=torch.zeros(out, dtype=torch.long),
+                loss_mask=torch.ones(out),
+                advantages=float(torch.randn(1, generator=gen)),
+                index=i,
+            )
+        )
+    return seqs
+
+
+def pad_to(mb: MicroBatch, width: int, pad_id: int = 0) -> MicroBatch:
+    """Right-pad every ``[b, L]`` tensor of ``mb`` to ``[b, width]`` (padding is unattended and unmasked)."""
+    extra = width - mb.input_ids.shape[1]
+    if extra <= 0:
+        return mb
+
+    def pad(t: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, extra), value=value)
+
+    return MicroBatch(
+        input_ids=pad(mb.input_ids, pad_id),
+        attention_mask=pad(mb.attention_mask, 0),
+        position_ids=torch.arange(width).expand(mb.input_ids.shape[0], width).clone(),
+        logp_behaviour=pad(mb.logp_behaviour, 0.0),
+        versions=pad(mb.versions, -1),
+        loss_mask=pad(mb.loss_mask, 0.0),
+        advantages=pad(mb.advantages, 0.0),
+        seq_index=mb.seq_index,
+    )
+
+
+def packed_micro_batches(seqs: list[TrainSequence], budget: int) -> list[MicroBatch]:
+    plan = plan_step([s.length for s in seqs], 1, budget)
+    return rank_micro_batches(seqs, plan, 0)
+
+
+def padded_micro_batches(seqs: list[TrainSequence], budget: int) -> list[MicroBatch]:
+    longest = max(s.length for s in seqs)
+    rows = max(1, budget // longest)
+    return [pad_to(collate(seqs[i : i + rows]), longest) for i in range(0, len(seqs), rows)]
+
+
+def _temps(mbs: list[MicroBatch]) -> list[torch.Tensor]:
+    return [torch.ones(mb.input_ids.shape[0]) for mb in mbs]
+
+
+def _timed_step(model, optimizer, mbs, config, normaliser) -> tuple[float, float]:  # noqa: ANN001
+    started = time.perf_counter()
+    result = train_step(model, optimizer, mbs, _temps(mbs), config, normaliser, learner_version=0)
+    return time.perf_counter() - started, result.metrics["loss"]
+
+
+def run(mode: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    p = MODES[mode]
+    model = AutoModelForCausalLM.from_pretrained(init_tiny_model(), dtype=torch.float32)
+    vocab = model.config.vocab_size
+    seqs = long_tailed_batch(p["sequences"], p["long_fraction"], vocab)
+    config = LearnerConfig(micro_batch_tokens=p["budget"])
+    normaliser = float(step_loss_units(seqs, config.loss.aggregation))
+    ways = {
+        "packing": packed_micro_batches(seqs, p["budget"]),
+        "padding": padded_micro_batches(seqs, p["budget"]),
+    }
+    frozen = torch.optim.SGD(model.parameters(), lr=0.0)
+    losses = {name: _timed_step(model, frozen, mbs, config, normaliser)[1] for name, mbs in ways.items()}
+    if abs(losses["packing"] - losses["padding"]) > 1e-5:
+        raise SystemExit(f"packing and padding disagree on the loss: {losses}")
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    seconds: dict[str, list[float]] = {name: [] for name in ways}
+    for repeat in range(p["repeats"]):
+        order = list(ways) if repeat % 2 == 0 else list(reversed(ways))
+        for name in order:
+            seconds[name].append(_timed_step(model, optimizer, ways[name], config, normaliser)[0])
+
+    real = sum(s.length for s in seqs)
+    median = {name: statistics.median(v) for name, v in seconds.items()}
+    tps = {name: real / median[name] for name in ways}
+    lengths = sorted(s.length for s in seqs)
+    results = {
+        "real_tokens": real,
+        "lengths": {"min": lengths[0], "median": lengths[len(lengths) // 2], "max": lengths[-1]},
+        "micro_batches": {name: len(mbs) for name, mbs in ways.items()},
+        "padded_tokens": {name: sum(mb.padded_tokens for mb in mbs) for name, mbs in ways.items()},
+        "seconds": seconds,
+        "median_seconds": median,
+        "tokens_per_s": tps,
+        "loss": losses,
+    }
+    headline = {
+        "tokens_per_s": tps["packing"],
+        "tokens_per_s_padding": tps["padding"],
+        "ratio_packing_vs_padding": tps["packing"] / tps["padding"],
+    }
+    params = {**p, "model": "tiny-qwen2 (hidden 128, 4 layers)", "dtype": "float32", "torch_threads": 1}
+    params["loss"] = config.loss.policy_loss
+    params["aggregation"] = config.loss.aggregation
+    return params, results, headline
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller batch, fewer repeats (under a minute)")
+    parser.add_argument("--out", type=Path, default=Path("runs/learner_throughput.json"), help="result JSON")
+    args = parser.parse_args(argv)
+    mode = "quick" if args.quick else "full"
+    params, results, headline = run(mode)
+    doc = write_result(args.out, "learner_throughput", mode, params, results, TARGETS, headline)
+    rows = [
+        [name, results["micro_batches"][name], results["padded_tokens"][name], results["median_seconds"][name],
+         results["tokens_per_s"][name]]
+        for name in ("packing", "padding")
+    ]  # fmt: skip
+    print(format_table(["way", "micro-batches", "padded tokens", "seconds", "tokens/s"], rows))
+    print(
+        f"ratio_packing_vs_padding {doc['ratio_packing_vs_padding']:.2f} (target >= 2), passed={doc['passed']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
