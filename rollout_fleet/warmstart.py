@@ -287,7 +287,7 @@ def init_warm_model(
 def _build(
     path: Path, spec: TinyModelSpec, recipe: WarmStartRecipe, key: str, progress: Callable[[str], None] | None
 ) -> None:
-    started = time.monotonic()
+    started, cpu_started = time.monotonic(), time.process_time()
     tokenizer = build_tokenizer()
     model = build_model(spec, tokenizer)  # the same weights as init_tiny_model(spec)
     task = ArithmeticTask()
@@ -315,6 +315,7 @@ def _build(
         "eval_after": after,
         "train_seconds": round(train_s, 2),
         "total_seconds": round(time.monotonic() - started, 2),
+        "cpu_seconds": round(time.process_time() - cpu_started, 2),  # what a quiet core would take
         "torch_threads": torch.get_num_threads(),
     }
     staging = save_model_dir(model, tokenizer, path.with_name(path.name + ".staging"))

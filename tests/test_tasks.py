@@ -16,7 +16,7 @@ import pytest
 from rollout_fleet.datasets import ChatFormatter, DatasetError, PromptDataset, read_rows
 from rollout_fleet.model import build_tokenizer
 from rollout_fleet.tasks import TaskError, available_tasks, get_task
-from rollout_fleet.tasks.arithmetic import DIGIT_COUNTS, ArithmeticTask, score_completion, scratchpad
+from rollout_fleet.tasks.arithmetic import DIGIT_COUNTS, ArithmeticTask, Problem, score_completion, scratchpad
 from rollout_fleet.tasks.config import TaskConfig, build_task
 from rollout_fleet.tasks.countdown import CountdownTask, check_answer, evaluate, extract_expression
 from rollout_fleet.tasks.gsm8k import answers_match, extract_answer, gold_from_solution, parse_number
@@ -116,9 +116,15 @@ def test_heldout_set_is_disjoint_from_train_prompts() -> None:
     digits = Counter(len(str(p.a)) for p in heldout)
     assert set(digits) == set(DIGIT_COUNTS)
     # no train prompt equals a held-out problem in either order (well past one epoch of indices)
-    for i in itertools.chain(range(20000), range(10_000_000, 10_005_000)):
-        problem = task.problem(i)
-        assert problem.key not in keys
+    train = {task.problem(i).key for i in itertools.chain(range(20000), range(10_000_000, 10_005_000))}
+    assert train.isdisjoint(keys)
+    # the warm-start's validation stream: held-out space (never a train problem), not the test prompts
+    validation = [task.validation_prompt(i) for i in range(300)]
+    validation_keys = {Problem(p.metadata["a"], p.metadata["b"]).key for p in validation}
+    assert all(task.is_heldout(Problem(*key)) for key in validation_keys) and train.isdisjoint(
+        validation_keys
+    )
+    assert [p.text for p in validation[:200]] != [p.text for p in task.prompts("test")]
     with pytest.raises(TaskError, match="out of range"):
         task.make_prompt(200, "test")
     with pytest.raises(TaskError, match="unknown split"):
