@@ -166,7 +166,11 @@ class RewardPool:
         if self._idle is not None:
             return
         self._idle = asyncio.Queue()
-        await asyncio.gather(*(self._restart(slot) for slot in self._slots))
+        try:
+            await asyncio.gather(*(self._restart(slot) for slot in self._slots))
+        except BaseException:
+            self.close()  # no half-started pool: callers would wait forever for a free worker
+            raise
         for slot in self._slots:
             self._idle.put_nowait(slot)
 
