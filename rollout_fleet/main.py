@@ -256,7 +256,7 @@ class LearnerView(Section):
     model_config = ConfigDict(extra="ignore", validate_assignment=True)
 
     groups_per_step: int = Field(
-        8, ge=1, description="Prompt groups the learner consumes per optimizer step."
+        16, ge=1, description="Prompt groups the learner consumes per optimizer step."
     )
 
 
