@@ -100,11 +100,30 @@ class StatusReader:
             if k.startswith("samples/") and k != "samples/trained"
         }
         return {
+            **self.learner_aggregates(),
             "steps": int(learner.get("step", 0)),
             "policy_version": int(learner.get("policy_version", 0)),
             "samples_trained": int(learner.get("samples/trained", 0)),
             "samples_dropped": sum(dropped.values()),
             "samples_dropped_by_reason": dropped,
+        }
+
+    def learner_aggregates(self) -> dict[str, float]:
+        """Sums over every learner step of the run: time waiting for data (generation, when synchronous), time
+        training, and the token-weighted mean staleness."""
+        try:
+            rows = self.client.xrange(self.config.shared.key("metrics:learner")) if self.client else []
+        except (redis.RedisError, OSError):
+            rows = []
+        points = [_numbers(fields) for _, fields in rows]
+        wait = sum(p.get("wait_seconds", 0.0) for p in points)
+        step = sum(p.get("step_seconds", 0.0) for p in points)
+        tokens = sum(p.get("staleness/tokens", 0.0) for p in points)
+        stale = sum(p.get("staleness/mean", 0.0) * p.get("staleness/tokens", 0.0) for p in points)
+        return {
+            "learner_wait_seconds": wait,
+            "learner_train_seconds": step - wait,
+            "mean_staleness": stale / tokens if tokens else 0.0,
         }
 
     def close(self) -> None:
