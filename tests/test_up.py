@@ -1,0 +1,141 @@
+"""`streamrl up` end to end on 2 cores: every role as its own process training the warm-started tiny model, every
+daemon's Prometheus endpoint scraped, summary.json, then `up --resume` with no sample trained twice; SIGTERM stops
+every role cleanly."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+
+import pytest
+import redis
+
+from learner.distributed import free_port
+from tests.prom import scrape
+
+pytestmark = pytest.mark.timeout(1200)
+ROLES = ["redis", "engine-0", "engine-1", "learner", "rollout-0", "eval", "dashboard"]
+
+
+@pytest.fixture(scope="module")
+def warm_model() -> Path:
+    from rollout_fleet.warmstart import init_warm_model
+
+    return init_warm_model()  # cached after the first build (a few minutes on 2 cores)
+
+
+def up(run_dir: Path, model: Path, metrics_base: int, *extra: str) -> subprocess.Popen:
+    args = [
+        sys.executable, "-m", "streamrl", "up", f"--shared.run_dir={run_dir}", f"--shared.model_path={model}",
+        "--dashboard.port=0", f"--dashboard.metrics_base_port={metrics_base}", "--learner.wandb_mode=disabled",
+        "--learner.checkpoint_every=5", "--up.status_interval_s=5", *extra,
+    ]  # fmt: skip
+    return subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def learner_step(run_dir: Path) -> int:
+    url_file = run_dir / "redis" / "url"
+    if not url_file.is_file():
+        return -1
+    try:
+        rows = redis.Redis.from_url(url_file.read_text().strip()).xrevrange(
+            "streamrl:default:metrics:learner", count=1
+        )
+    except redis.RedisError:
+        return -1
+    return int(float(rows[0][1][b"step"])) if rows else -1
+
+
+def scrape_every_daemon(run_dir: Path, metrics_base: int) -> dict[str, dict]:
+    cfg = tomllib.loads((run_dir / "config.toml").read_text())
+    endpoints = {
+        "learner": f"http://127.0.0.1:{metrics_base}/metrics",
+        "eval": f"http://127.0.0.1:{metrics_base + 1}/metrics",
+        "redis": f"http://127.0.0.1:{metrics_base + 2}/metrics",
+        "rollout-0": f"http://127.0.0.1:{metrics_base + 10}/metrics",
+        "dashboard": f"http://127.0.0.1:{cfg['dashboard']['port']}/metrics",
+    }
+    for i, url in enumerate(cfg["rollout"]["engine_urls"]):
+        endpoints[f"engine-{i}"] = f"{url}/metrics"
+    return {name: scrape(url) for name, url in endpoints.items()}
+
+
+def trained_group_ids(run_dir: Path) -> list[str]:
+    ids = []
+    for meta in sorted((run_dir / "checkpoints").glob("step_*/meta.json")):
+        ids += [e["group_id"] for e in json.loads(meta.read_text())["ledger"] if e["outcome"] == "trained"]
+    return ids
+
+
+def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_model: Path) -> None:
+    run_dir = tmp_path / "run"
+    metrics_base = free_port()
+    proc = up(run_dir, warm_model, metrics_base, "--learner.max_steps=40", "--learner.keep_checkpoints=100")
+    deadline = time.monotonic() + 600
+    while learner_step(run_dir) < 3:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the learner never reached step 3"
+        time.sleep(0.5)
+    scraped = scrape_every_daemon(run_dir, metrics_base)
+    assert set(scraped) == set(ROLES) and all(scraped.values())
+    assert any(name == "streamrl_learner_step" for name, _ in scraped["learner"])
+    assert any(name == "streamrl_engine_weight_version" for name, _ in scraped["engine-0"])
+    dashboard_summary = json.loads(urllib.request.urlopen(
+        f"http://127.0.0.1:{tomllib.loads((run_dir / 'config.toml').read_text())['dashboard']['port']}/api/summary",
+        timeout=10).read())  # fmt: skip
+    assert dashboard_summary  # the page's data source answers for this run
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("eval_reward_before", "eval_reward_after", "steps", "samples_trained", "samples_dropped",
+                "wall_seconds"):  # fmt: skip
+        assert summary[key] is not None, key
+    assert summary["steps"] == 40 and summary["eval_version_after"] == 40
+    assert summary["samples_trained"] == 40 * 16 * 8  # 16 groups of 8 samples per step by default
+    # the final evaluation ran on the trained weights (version 40), the first on the warm start (version 0);
+    # a clear accuracy gain is not asserted yet: it is not reliable at 40 steps (issue 6 stays open on it)
+    assert summary["eval_version_before"] == 0 and 0 <= summary["eval_reward_after"] <= 1
+    for role in ROLES:
+        assert (run_dir / "logs" / f"{role}.log").is_file(), role
+    assert (run_dir / "config.toml").is_file() and (
+        run_dir / "export" / "latest" / "model.safetensors"
+    ).is_file()
+    first = trained_group_ids(run_dir)
+    assert len(first) == len(set(first)) == 40 * 16
+
+    # resume the stopped run: it continues from its checkpoint and stream, no group is trained twice
+    args = [sys.executable, "-m", "streamrl", "up", "--resume", str(run_dir), "--learner.max_steps=50",
+            f"--dashboard.metrics_base_port={free_port()}"]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out
+    resumed = json.loads((run_dir / "summary.json").read_text())
+    assert resumed["steps"] == 50
+    ids = trained_group_ids(run_dir)
+    assert len(ids) == len(set(ids)) == 50 * 16
+
+
+def test_sigterm_stops_every_role_cleanly(tmp_path: Path, warm_model: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = up(run_dir, warm_model, free_port())
+    deadline = time.monotonic() + 600
+    while learner_step(run_dir) < 2:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out
+    for role in ("learner", "rollout-0", "eval", "engine-0", "redis"):
+        assert f"stopping {role}" in out
+    assert "killing" not in out  # every role drained within its grace period
+    assert (run_dir / "checkpoints" / "LATEST").is_file()  # the learner checkpointed on the way out
