@@ -357,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     record = json.loads((path / MARKER).read_text())
-    print(json.dumps({"path": str(path), "steps": record["steps"], "eval_after": record["eval_after"]}))
+    summary = {key: record.get(key) for key in ("steps", "reached_target", "eval_after")}
+    print(json.dumps({"path": str(path), **summary}))
     return 0
 
 
