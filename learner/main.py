@@ -50,8 +50,14 @@ def run_rank(cfg: LearnerRoleConfig) -> int:
     code = learner.run()
     import torch.distributed as dist
 
+    # Every rank leaves the group together: a rank that exits while the other still tears down its gloo
+    # connections can abort it ("terminate called without an active exception") at interpreter exit.
+    dist.barrier()
     dist.destroy_process_group()
-    return code
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip C++ static destructors of the store and backend threads, which race at exit
 
 
 def spawn_ranks(cfg: LearnerRoleConfig, argv: list[str]) -> int:
