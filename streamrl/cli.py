@@ -20,6 +20,8 @@ Asynchronous streaming RL: SGLang (or built-in) engines -> Redis Stream -> FSDP2
 commands:
 {commands}
 
+  model init  build (or find cached) the warm-started tiny model: `streamrl model init --help`
+
 `streamrl COMMAND --help` lists every config field the command reads, with its type, default and doc.
 Values come from the defaults, then REDIS_URL, then --config, then the dotted overrides."""
 
@@ -152,6 +154,17 @@ def _resume_args(name: str, args: list[str]) -> list[str]:
     return ["--config", str(Path(run_dir) / "config.toml"), f"--shared.run_dir={run_dir}", *out]
 
 
+def _model_command(args: list[str]) -> int:
+    """``streamrl model init [--out DIR --steps N --seed S ...]``: build (or find cached) the warm-started tiny
+    model; the options are rollout_fleet.warmstart's (``streamrl model init --help``)."""
+    if not args or args[0] != "init":
+        print("usage: streamrl model init [--out DIR] [--steps N] [--seed S] [--help]", file=sys.stderr)
+        return 2
+    from rollout_fleet.warmstart import main as warmstart_main
+
+    return warmstart_main(args[1:])
+
+
 def _usage() -> str:
     width = max(len(name) for name in COMMANDS)
     lines = [f"  {name:<{width}}  {cmd.summary}" for name, cmd in COMMANDS.items()]
@@ -164,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     name, rest = args[0], args[1:]
+    if name == "model":
+        return _model_command(rest)
     command = COMMANDS.get(name)
     if command is None:
         print(f"streamrl: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)

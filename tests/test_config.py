@@ -81,3 +81,10 @@ def test_console_script_reports_bad_value() -> None:
     )
     assert proc.returncode == 2
     assert "shared.eta = -3" in proc.stderr
+
+
+def test_model_init_builds_a_hugging_face_directory(tmp_path: Path) -> None:
+    assert main(["model", "init", "--out", str(tmp_path / "m"), "--steps", "2"]) == 0
+    assert (tmp_path / "m" / "config.json").is_file() and (tmp_path / "m" / "model.safetensors").is_file()
+    assert (tmp_path / "m" / "warmstart.json").is_file()
+    assert main(["model", "nonsense"]) == 2
