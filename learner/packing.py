@@ -252,10 +252,11 @@ def step_loss_units(seqs: Sequence[TrainSequence], aggregation: Aggregation) -> 
     return sum(1 for s in seqs if bool((s.loss_mask > 0).any()))
 
 
-def gather_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+def gather_logprobs(logits: Tensor, input_ids: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
     """``logits [b, L, V]``, ``input_ids [b, L]`` -> ``[b, L]``: at position t, log p(token t | tokens < t).
 
-    Computed from the logits at t - 1 as ``log_softmax(logits / temperature)``, the same quantity the engine
+    ``temperature`` is a float or a per-row ``[b, 1, 1]`` tensor. Computed from the logits at t - 1 as
+    ``log_softmax(logits / temperature)``, the same quantity the engine
     reports for a sampled token; position 0 is 0. Done in float32 with logsumexp (no [b, L, V] log-softmax
     copy is kept beyond the one the division makes). Gradients flow into ``logits``.
     """

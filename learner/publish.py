@@ -88,8 +88,7 @@ class WeightSyncPublisher:
         known = sorted((e.url, e.ranks) for e in self.sender.engines)
         if current and current != known:
             log.info("engine membership changed: %s -> %s; rebuilding the update group", known, current)
-            self.sender.set_engines(current)
-            self.sender.connect()
+            self.sender.set_engines(current)  # rebuilds the group with the engines present
 
     def publish(self, model: nn.Module, version: int, initial: bool) -> dict[str, float]:
         if initial:

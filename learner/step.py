@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from learner.config import LearnerConfig
 from learner.losses import compute_policy_loss
-from learner.packing import MicroBatch
+from learner.packing import MicroBatch, gather_logprobs
 
 
 @dataclass
@@ -25,15 +25,6 @@ class StepResult:
     applied: bool  # False: a non-finite loss or gradient skipped the optimizer step
     grad_norm: float
     metrics: dict[str, float]
-
-
-def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: Tensor) -> Tensor:
-    """``logits [b, L, V]``, ``input_ids [b, L]``, ``temperature [b]`` -> ``[b, L]`` log-probs of token t
-    (predicted at t - 1) under ``log_softmax(logits / T)``, the quantity the engine reports; position 0 is 0."""
-    scaled = logits[:, :-1].float() / temperature[:, None, None]
-    picked = scaled.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    logp = picked - torch.logsumexp(scaled, dim=-1)
-    return torch.cat([logp.new_zeros(logp.shape[0], 1), logp], dim=1)
 
 
 def token_entropy(logits: Tensor, temperature: Tensor) -> Tensor:
@@ -97,7 +88,7 @@ def micro_batch_forward(
     logits = model(
         input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
     ).logits
-    logp = token_logprobs(logits, mb.input_ids, temperature)
+    logp = gather_logprobs(logits, mb.input_ids, temperature[:, None, None])  # per-row temperature
     mask = mb.loss_mask
     loss, metrics = compute_policy_loss(
         logp, mb.logp_behaviour, logp.detach(), mb.advantages, mask, config.loss, normaliser=normaliser

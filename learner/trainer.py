@@ -229,7 +229,10 @@ class Learner:
         started = time.monotonic()
         metrics = self.publisher.publish(self.model, self.version, initial)
         if self.info.is_main:
-            self._call(self.policy_version.publish(self.version)) if not initial else self._publish_initial()
+            if initial:
+                self._publish_initial()
+            else:
+                self._call(self.policy_version.publish(self.version))
             metrics = {**metrics, "publish_seconds": time.monotonic() - started}
             self._last_publish_metrics = metrics
 
