@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[dev,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)
