@@ -100,6 +100,11 @@ class LearnerConfig(Section):
     )
     max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps; 0 runs until stopped.")
     publish_every: int = Field(1, ge=1, description="Publish (sync) weights every k optimizer steps.")
+    snapshot_every: int = Field(
+        0,
+        ge=0,
+        description="Export a Hugging Face snapshot every k steps to RUN_DIR/snapshots/step-N (learning curves); 0: off.",
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps, then constant.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")

@@ -9,6 +9,7 @@ always agree on what happens next.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import threading
@@ -335,6 +336,8 @@ class Learner:
             if self.step % self.config.publish_every == 0:
                 self.version += 1
                 self._publish(initial=False)
+            if self.config.snapshot_every and self.step % self.config.snapshot_every == 0:
+                self._snapshot()
         if self.info.is_main:
             self._log_step(result.metrics, result.applied)
 
@@ -365,6 +368,19 @@ class Learner:
             self.step, self.version, metrics["reward_mean"], metrics["loss"], metrics.get("staleness/mean", 0.0),
             batch.wait_s,
         )  # fmt: skip
+
+    def _snapshot(self) -> None:
+        """An HF export of this step's policy with when it was made, for offline held-out curves."""
+        out = Path(self.shared.run_dir) / "snapshots" / f"step-{self.step:06d}"
+        written = export_hf(self.model, Path(self.shared.model_path), out)
+        if written is not None:
+            info = {
+                "step": self.step,
+                "policy_version": self.version,
+                "time": time.time(),
+                "samples_trained": self.intake.sample_totals.get("trained", 0) if self.info.is_main else None,
+            }
+            (written / "snapshot.json").write_text(json.dumps(info))
 
     def _checkpoint(self, final: bool = False) -> None:
         ledger: list[LedgerEntry] = list(self.intake.ledger) if self.info.is_main else []

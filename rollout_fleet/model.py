@@ -42,9 +42,11 @@ class TinyModelSpec:
     intermediate_size: int = 384
     max_position_embeddings: int = 4096
     seed: int = 0
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
 
     def fingerprint(self) -> str:
-        payload = json.dumps({**asdict(self), "chars": "".join(CHARACTERS), "special": SPECIAL_TOKENS})
+        shape = {k: v for k, v in asdict(self).items() if v is not None}  # unset fields keep old fingerprints
+        payload = json.dumps({**shape, "chars": "".join(CHARACTERS), "special": SPECIAL_TOKENS})
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
@@ -71,6 +73,7 @@ def build_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> Qwen
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
         intermediate_size=spec.intermediate_size,
+        head_dim=spec.head_dim or spec.hidden_size // spec.num_attention_heads,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=True,
         rope_theta=10000.0,

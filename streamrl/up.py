@@ -126,6 +126,7 @@ def run_up(config: StreamRLConfig) -> int:
             sup.start(spec)
         summary["eval_before"] = evaluate_now(cfg, "before")
         gen_started = time.time()
+        summary["training_started_at"] = gen_started
         for spec in after:
             sup.start(spec)
         code = sup.watch(on_tick=status.ticker(cfg.up.status_interval_s), stop_at_end=False)
@@ -158,6 +159,7 @@ def write_summary(cfg: StreamRLConfig, summary: dict[str, Any], started: float, 
         **totals,
         "wall_seconds": time.time() - started,
         "training_wall_seconds": summary.get("training_wall_seconds"),
+        "training_started_at": summary.get("training_started_at"),
         "run_dir": str(cfg.shared.run_dir),
     }
     path = cfg.shared.run_dir / "summary.json"

@@ -1,0 +1,151 @@
+"""The same GRPO experiment in TRL and in streamrl, on this machine, in one invocation.
+
+    python -m benchmarks.vs_trl --quick --out FILE
+
+Both sides start from the same warm-started tiny model and train on the same prompts (streamrl's hand-out order)
+with the same group size, learning rate, temperature, max length and number of steps x samples. TRL's
+GRPOTrainer generates with transformers on the CPU (no vLLM) and uses every core in each phase; streamrl runs
+`streamrl up` (2 built-in engines, a rollout worker, a 2-rank learner) at eta = 0 and at its default eta.
+
+The target reward is TRL's final held-out greedy accuracy (the mean of its last two evaluations, which halves
+the evaluation noise); ``time_to_target_ratio`` = TRL's training time to reach it / streamrl's (default eta),
+> 1 when streamrl is faster. Clocks count training only (held-out evaluation is excluded on both sides).
+Writes the JSON to --out and an SVG plot beside it (same name, .svg).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import write_result
+from benchmarks.plot import figure, line_chart
+from benchmarks.vs_trl.streamrl_side import run_streamrl
+from benchmarks.vs_trl.trl_side import GRPORecipe
+
+DEFAULT_ETA = 2
+
+
+def run_trl_subprocess(model_dir: Path, recipe: GRPORecipe, out: Path) -> dict[str, Any]:
+    """TRL in its own process, so its thread settings and imports do not touch ours."""
+    cmd = [
+        sys.executable, "-m", "benchmarks.vs_trl.trl_side", "--model", str(model_dir), "--out", str(out),
+        "--steps", str(recipe.steps), "--lr", str(recipe.lr), "--seed", str(recipe.seed),
+        "--eval-every", str(recipe.eval_every),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"TRL side failed:\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def target_of(curve: list[dict[str, float]]) -> float:
+    """TRL's final reward: the mean of its last two held-out evaluations."""
+    last = [p["greedy"] for p in curve[-2:]]
+    return sum(last) / len(last)
+
+
+def first_reaching(curve: list[dict[str, float]], target: float) -> dict[str, float] | None:
+    """The first evaluation point at or above ``target`` (step 0 excluded), or None."""
+    return next((p for p in curve[1:] if p["greedy"] >= target - 1e-9), None)
+
+
+def side_summary(curve: list[dict[str, float]], target: float) -> dict[str, Any]:
+    hit = first_reaching(curve, target)
+    return {
+        "final_reward": curve[-1]["greedy"],
+        "final_sampled": curve[-1]["sampled"],
+        "wall_seconds": curve[-1]["wall_seconds"],
+        "time_to_target": hit["wall_seconds"] if hit else None,
+        "samples_to_target": hit["samples"] if hit else None,
+    }
+
+
+def noise(p: float, n: int) -> float:
+    """Two standard errors of an accuracy p measured on n prompts."""
+    return 2 * math.sqrt(max(p * (1 - p), 1e-6) / n)
+
+
+def plot(path: Path, curves: dict[str, list[dict[str, float]]]) -> None:
+    by_time = {k: [(p["wall_seconds"], p["greedy"]) for p in c] for k, c in curves.items()}
+    by_samples = {k: [(p["samples"], p["greedy"]) for p in c] for k, c in curves.items()}
+    path.write_text(
+        figure(
+            [
+                line_chart(by_time, "held-out greedy vs training time", "seconds", "accuracy", (0, 1)),
+                line_chart(by_samples, "held-out greedy vs samples", "samples", "accuracy", (0, 1)),
+            ]
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="30 steps per side (about 10 minutes in all)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps per side (30 quick, 100 full)"
+    )
+    parser.add_argument("--eta", type=int, default=DEFAULT_ETA, help="streamrl's asynchronous eta")
+    parser.add_argument("--seed", type=int, default=0, help="seed of both sides")
+    parser.add_argument("--out", type=Path, required=True, help="where to write the result JSON")
+    args = parser.parse_args(argv)
+    steps = args.steps or (30 if args.quick else 100)
+    recipe = GRPORecipe(steps=steps, eval_every=5 if steps <= 50 else 10, seed=args.seed)
+    from rollout_fleet.warmstart import init_warm_model
+
+    model_dir = Path(init_warm_model())
+    with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
+        print(f"TRL GRPOTrainer: {steps} steps ...", flush=True)
+        trl = run_trl_subprocess(model_dir, recipe, Path(tmp) / "trl.json")
+        curves = {"TRL": trl["curve"]}
+        runs = {}
+        for eta in sorted({0, args.eta}):
+            print(f"streamrl eta={eta}: {steps} steps ...", flush=True)
+            runs[eta] = run_streamrl(model_dir, recipe, eta, Path(tmp) / f"eta{eta}")
+            curves[f"streamrl eta={eta}"] = runs[eta]["curve"]
+    target = target_of(trl["curve"])
+    sides = {name: side_summary(c, target) for name, c in curves.items()}
+    ours = sides[f"streamrl eta={args.eta}"]
+    trl_side = sides["TRL"]
+    ratio = trl_side["time_to_target"] / ours["time_to_target"] if ours["time_to_target"] else 0.0
+    margin = ours["final_reward"] - trl_side["final_reward"]
+    headline = {
+        "time_to_target_ratio": ratio,
+        "target_reward": target,
+        "trl_final_reward": trl_side["final_reward"],
+        "streamrl_final_reward": ours["final_reward"],
+        "final_reward_margin_over_noise": margin + noise(trl_side["final_reward"], recipe.heldout),
+    }
+    doc = write_result(
+        args.out,
+        benchmark="vs_trl",
+        mode="quick" if args.quick else "full",
+        params={
+            "recipe": trl["recipe"],
+            "model": str(model_dir),
+            "eta": args.eta,
+            "trl_config": trl["trl_config"],
+        },
+        results={
+            "sides": sides,
+            "curves": curves,
+            "streamrl_runs": {str(k): v["summary"] for k, v in runs.items()},
+        },
+        targets={"time_to_target_ratio": (">=", 2.0), "final_reward_margin_over_noise": (">=", 0.0)},
+        headline=headline,
+    )
+    plot(args.out.with_suffix(".svg"), curves)
+    print(f"time_to_target_ratio {ratio:.2f} (target {target:.3f}); passed: {doc['passed']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

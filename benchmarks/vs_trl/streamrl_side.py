@@ -1,0 +1,54 @@
+"""The streamrl side of the side-by-side: `streamrl up` with the shared recipe, one run per eta, then the
+held-out curve from the learner's snapshots (evaluated after the run with the same function as the TRL side).
+
+The clock starts when `streamrl up` starts the rollout workers and the learner (its baseline evaluation is
+before that) and each point's time is when the learner wrote that step's snapshot, so held-out evaluation is
+outside the clock, as on the TRL side.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.vs_trl.trl_side import Curve, GRPORecipe
+
+
+def up_command(recipe: GRPORecipe, eta: int, run_dir: Path, model_dir: Path) -> list[str]:
+    """The `streamrl up` command line of one run: the recipe's knobs, snapshots for the curve, no live eval."""
+    return [
+        sys.executable, "-m", "streamrl", "up",
+        f"--shared.run_dir={run_dir}", f"--shared.eta={eta}", f"--shared.model_path={model_dir}",
+        f"--learner.max_steps={recipe.steps}", f"--learner.groups_per_step={recipe.prompts_per_step}",
+        f"--rollout.group_size={recipe.group_size}", f"--learner.lr={recipe.lr}",
+        f"--rollout.temperature={recipe.temperature}", f"--rollout.max_new_tokens={recipe.max_new_tokens}",
+        f"--rollout.shuffle_seed={recipe.shuffle_seed}", f"--learner.seed={recipe.seed}",
+        f"--learner.snapshot_every={recipe.eval_every}", "--learner.loss.eps_high=0.2",
+        "--learner.wandb_mode=disabled", "--eval.every_versions=1000000",
+        "--dashboard.port=0", "--dashboard.metrics_base_port=0", "--up.status_interval_s=30",
+    ]  # fmt: skip
+
+
+def run_streamrl(model_dir: Path, recipe: GRPORecipe, eta: int, run_dir: Path) -> dict[str, Any]:
+    """One `streamrl up` run and its held-out curve (step, samples, training wall seconds, greedy, sampled)."""
+    from rollout_fleet.evaluation import evaluate
+
+    proc = subprocess.run(up_command(recipe, eta, run_dir, model_dir), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"streamrl up (eta={eta}) failed; see {run_dir}/logs:\n{proc.stdout[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    started = summary["training_started_at"]
+    curve = Curve()
+    curve.add(0, 0, 0.0, evaluate(model_dir, n=recipe.heldout, max_new_tokens=recipe.max_new_tokens))
+    for snap in sorted((run_dir / "snapshots").glob("step-*")):
+        info = json.loads((snap / "snapshot.json").read_text())
+        scores = evaluate(snap, n=recipe.heldout, max_new_tokens=recipe.max_new_tokens)
+        curve.add(info["step"], info["step"] * recipe.prompts_per_step * recipe.group_size,
+                  info["time"] - started, scores)  # fmt: skip
+        print(f"streamrl eta={eta} step {info['step']}: held-out greedy {scores['greedy_accuracy']:.3f} "
+              f"at {info['time'] - started:.1f} s", flush=True)  # fmt: skip
+    keep = ("mean_staleness", "samples_trained", "samples_dropped", "training_wall_seconds", "steps")
+    return {"eta": eta, "curve": curve.points, "summary": {k: summary.get(k) for k in keep}}
