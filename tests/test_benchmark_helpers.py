@@ -1,0 +1,86 @@
+"""The benchmarks' pure parts: target and time-to-target arithmetic, the SVG plot, the training clock, and the
+`streamrl up` command lines the benchmarks build (every option must exist in the config tree)."""
+
+from __future__ import annotations
+
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from benchmarks import async_vs_sync
+from benchmarks.plot import figure, line_chart
+from benchmarks.vs_trl.__main__ import first_reaching, noise, side_summary, target_of
+from benchmarks.vs_trl.streamrl_side import up_command
+from benchmarks.vs_trl.trl_side import Curve, GRPORecipe, TrainingClock
+from broker.configlib import load_config
+from streamrl.config import StreamRLConfig
+
+
+def curve(*points: tuple[int, float, float]) -> list[dict[str, float]]:
+    c = Curve()
+    for step, wall, greedy in points:
+        c.add(step, step * 64, wall, {"greedy_accuracy": greedy, "sampled_accuracy": greedy / 2})
+    return c.points
+
+
+def test_target_is_the_mean_of_the_last_two_evaluations() -> None:
+    assert target_of(curve((0, 0, 0.4), (5, 4, 0.6), (10, 8, 0.7))) == pytest.approx(0.65)
+
+
+def test_time_to_target_is_the_first_point_at_or_above_it_and_ignores_the_start() -> None:
+    c = curve((0, 0.0, 0.9), (5, 4.0, 0.5), (10, 8.0, 0.66), (15, 12.0, 0.7))
+    assert first_reaching(c, 0.65)["wall_seconds"] == 8.0
+    s = side_summary(c, 0.65)
+    assert (s["time_to_target"], s["samples_to_target"], s["final_reward"]) == (8.0, 640, 0.7)
+    assert side_summary(c, 0.95)["time_to_target"] is None
+
+
+def test_noise_is_two_standard_errors() -> None:
+    assert noise(0.5, 100) == pytest.approx(0.1)
+
+
+def test_plot_is_valid_svg_with_one_line_per_series(tmp_path: Path) -> None:
+    chart = line_chart({"a": [(0, 0.1), (5, 0.5)], "b": [(0, 0.2), (10, 0.3)]}, "t", "x", "y", (0, 1))
+    root = ET.fromstring(figure([chart, chart]))
+    lines = root.findall(".//{http://www.w3.org/2000/svg}polyline")
+    assert len(lines) == 4
+    assert root.get("width") == "840"
+
+
+def test_training_clock_excludes_paused_time() -> None:
+    clock = TrainingClock()
+    clock.start()
+    with clock.paused():
+        time.sleep(0.2)
+    assert clock.elapsed() < 0.15
+
+
+@pytest.mark.parametrize("eta", [0, 2])
+def test_vs_trl_command_line_is_a_valid_streamrl_config(tmp_path: Path, eta: int) -> None:
+    recipe = GRPORecipe(steps=7, prompts_per_step=4, group_size=6, lr=3e-5, max_new_tokens=50, eval_every=3)
+    argv = up_command(recipe, eta, tmp_path / "run", tmp_path / "model")
+    assert argv[1:4] == ["-m", "streamrl", "up"]
+    cfg = load_config(StreamRLConfig, argv[4:])
+    assert (cfg.shared.eta, cfg.learner.max_steps, cfg.learner.groups_per_step) == (eta, 7, 4)
+    assert (cfg.rollout.group_size, cfg.learner.lr, cfg.rollout.max_new_tokens) == (6, 3e-5, 50)
+    assert (cfg.learner.snapshot_every, cfg.learner.loss.eps_high) == (3, 0.2)
+
+
+def test_async_vs_sync_command_line_changes_only_eta_and_seed(tmp_path: Path, monkeypatch) -> None:
+    seen = []
+    monkeypatch.setattr(async_vs_sync.subprocess, "run", lambda args, **kw: seen.append(args) or _Done())
+    (tmp_path / "summary.json").write_text("{}")
+    for eta in (0, 4):
+        async_vs_sync.run_up(tmp_path, eta, 9, tmp_path / "model", seed=1)
+    a, b = (load_config(StreamRLConfig, argv[4:]) for argv in seen)
+    assert (a.shared.eta, b.shared.eta) == (0, 4)
+    a.shared.eta = b.shared.eta
+    assert a == b
+    assert (a.learner.max_steps, a.learner.seed, a.rollout.shuffle_seed) == (9, 1, 1)
+
+
+class _Done:
+    returncode = 0
+    stdout = ""
