@@ -8,9 +8,12 @@ Errors name the dotted field and the offending value, so ``--learner.lr=abc`` sa
 from __future__ import annotations
 
 import json
+import logging
+import sys
 import tomllib
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -172,3 +175,37 @@ def render_help(model: type[BaseModel], sections: typing.Iterable[str] | None = 
         lines.append(f"  --{dotted} {type_name} (default: {shown})")
         lines.append(f"      {doc}")
     return "\n".join(lines).lstrip("\n")
+
+
+def role_main(
+    prog: str,
+    model: type[T],
+    argv: list[str] | None,
+    run: Callable[[T], int],
+    *,
+    base: Callable[[], dict[str, Any] | None] | None = None,
+    log_format: str | None = None,
+    error_prefix: str = "",
+) -> int:
+    """The ``main(argv)`` every ``python -m <prog>`` role shares, so they answer ``--help`` and bad input alike.
+
+    ``-h`` / ``--help`` prints the usage line and :func:`render_help` of ``model`` and returns 0. Otherwise the
+    config is loaded (defaults < ``base()`` < ``--config FILE`` < overrides; ``base`` is called only then, so
+    ``--help`` reads no environment), logging is set up with ``log_format`` (None: the role sets it up itself,
+    e.g. once per rank) and ``run(config)`` gives the exit code. A :class:`ConfigError` - from loading or from
+    ``run`` - is printed to stderr as ``error_prefix`` + its message (which names the field and the value),
+    with exit code 2, instead of a traceback. ``argv`` None means ``sys.argv[1:]``.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(f"usage: python -m {prog} [--config FILE] [--section.field=value ...]\n")
+        print(render_help(model))
+        return 0
+    try:
+        cfg = load_config(model, args, base=base() if base is not None else None)
+        if log_format is not None:
+            logging.basicConfig(level=logging.INFO, format=log_format)
+        return run(cfg)
+    except ConfigError as exc:
+        print(f"{error_prefix}{exc}", file=sys.stderr)
+        return 2

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
 import threading
 
 from broker.config import RedisServerConfig, SharedConfig
-from broker.configlib import ConfigError, Section, load_config, render_help
+from broker.configlib import Section, role_main
 from broker.server import EmbeddedRedis, RedisServerError
 
 log = logging.getLogger("streamrl.redis")
@@ -68,15 +67,10 @@ class _RedisRoleConfig(Section):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in args or "--help" in args:
-        print("usage: python -m broker [--config FILE] [--section.field=value ...]\n")
-        print(render_help(_RedisRoleConfig))
-        return 0
-    try:
-        cfg = load_config(_RedisRoleConfig, args)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s redis %(levelname)s: %(message)s")
-    return run_redis(cfg.shared, cfg.redis)
+    return role_main(
+        "broker",
+        _RedisRoleConfig,
+        argv,
+        lambda cfg: run_redis(cfg.shared, cfg.redis),
+        log_format="%(asctime)s redis %(levelname)s: %(message)s",
+    )

@@ -10,7 +10,7 @@ import sys
 import time
 
 from broker.config import BrokerConfig, SharedConfig
-from broker.configlib import ConfigError, Section, dump_config, load_config, render_help
+from broker.configlib import ConfigError, Section, dump_config, role_main
 from broker.discovery import resolve_redis_url
 from learner.config import LearnerConfig
 from learner.distributed import free_port, init_distributed
@@ -108,13 +108,5 @@ def run_learner(cfg: LearnerRoleConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in args or "--help" in args:
-        print("usage: python -m learner [--config FILE] [--section.field=value ...]\n")
-        print(render_help(LearnerRoleConfig))
-        return 0
-    try:
-        return run_learner(load_config(LearnerRoleConfig, args))
-    except ConfigError as exc:
-        print(f"learner: {exc}", file=sys.stderr)
-        return 2
+    # No log_format: each rank sets up its own logging (run_rank), with its rank in the format.
+    return role_main("learner", LearnerRoleConfig, argv, run_learner, error_prefix="learner: ")

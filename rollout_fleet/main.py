@@ -33,7 +33,7 @@ from pydantic import ConfigDict, Field
 
 from broker.client import connect
 from broker.config import BrokerConfig, SharedConfig
-from broker.configlib import ConfigError, Section, load_config, render_help
+from broker.configlib import ConfigError, Section, role_main
 from broker.discovery import RedisNotFound, resolve_redis_url
 from broker.metrics import MetricsWriter
 from broker.producer import Producer
@@ -274,17 +274,16 @@ class RolloutRoleConfig(Section):
     )
 
 
+def _env_base() -> dict | None:
+    return {"shared": {"redis_url": os.environ["REDIS_URL"]}} if os.environ.get("REDIS_URL") else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in args or "--help" in args:
-        print("usage: python -m rollout_fleet [--config FILE] [--section.field=value ...]\n")
-        print(render_help(RolloutRoleConfig))
-        return 0
-    try:
-        base = {"shared": {"redis_url": os.environ["REDIS_URL"]}} if os.environ.get("REDIS_URL") else None
-        cfg = load_config(RolloutRoleConfig, args, base=base)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(name)s: %(message)s")
-    return run_rollout(cfg.shared, cfg.broker, cfg.engine, cfg.rollout, cfg.learner.groups_per_step)
+    return role_main(
+        "rollout_fleet",
+        RolloutRoleConfig,
+        argv,
+        lambda cfg: run_rollout(cfg.shared, cfg.broker, cfg.engine, cfg.rollout, cfg.learner.groups_per_step),
+        base=_env_base,
+        log_format="%(asctime)s rollout %(levelname)s %(name)s: %(message)s",
+    )

@@ -47,7 +47,7 @@ from pydantic import Field
 
 from broker.client import connect
 from broker.config import BrokerConfig, SharedConfig
-from broker.configlib import ConfigError, Section, load_config, render_help
+from broker.configlib import Section, role_main
 from broker.discovery import RedisNotFound, resolve_redis_url
 from broker.metrics import BrokerMetrics, MetricsReader
 from broker.prometheus import MetricsServer, metrics_route, start_metrics_server, stream_latest_source
@@ -562,18 +562,14 @@ class DashboardRoleConfig(Section):
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m streamrl.dashboard [--config FILE] [--section.field=value ...]``."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in args or "--help" in args:
-        print("usage: python -m streamrl.dashboard [--config FILE] [--section.field=value ...]\n")
-        print(render_help(DashboardRoleConfig))
-        return 0
-    try:
-        cfg = load_config(DashboardRoleConfig, args, base=env_defaults())
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s dashboard %(levelname)s: %(message)s")
-    return run_dashboard(cfg.shared, cfg.dashboard, cfg.broker)
+    return role_main(
+        "streamrl.dashboard",
+        DashboardRoleConfig,
+        argv,
+        lambda cfg: run_dashboard(cfg.shared, cfg.dashboard, cfg.broker),
+        base=env_defaults,
+        log_format="%(asctime)s dashboard %(levelname)s: %(message)s",
+    )
 
 
 if __name__ == "__main__":

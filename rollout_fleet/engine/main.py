@@ -9,13 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import sys
 from collections.abc import Iterable
 
 import torch
 
 from broker.config import SharedConfig
-from broker.configlib import ConfigError, Section, load_config, render_help
+from broker.configlib import ConfigError, Section, role_main
 from rollout_fleet.config import EngineConfig
 from rollout_fleet.engine.core import Engine
 from rollout_fleet.engine.server import Extension, ServerSettings, serve
@@ -88,15 +87,10 @@ class _EngineRoleConfig(Section):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in args or "--help" in args:
-        print("usage: python -m rollout_fleet.engine [--config FILE] [--section.field=value ...]\n")
-        print(render_help(_EngineRoleConfig))
-        return 0
-    try:
-        cfg = load_config(_EngineRoleConfig, args)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
-    return run_engine(cfg.shared, cfg.engine)
+    return role_main(
+        "rollout_fleet.engine",
+        _EngineRoleConfig,
+        argv,
+        lambda cfg: run_engine(cfg.shared, cfg.engine),
+        log_format="%(asctime)s engine %(levelname)s %(name)s: %(message)s",
+    )
