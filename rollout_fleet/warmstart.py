@@ -55,7 +55,7 @@ class WarmStartRecipe:
     warmup_steps: int = 20
     final_lr_ratio: float = 1.0
     weight_decay: float = 0.0
-    target_accuracy: float = 0.4
+    target_accuracy: float = 0.45
     val_size: int = 200
     eval_every: int = 10
     eval_every_close: int = 2

@@ -101,9 +101,12 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
         assert summary[key] is not None, key
     assert summary["steps"] == 40 and summary["eval_version_after"] == 40
     assert summary["samples_trained"] == 40 * 16 * 8  # 16 groups of 8 samples per step by default
-    # the final evaluation ran on the trained weights (version 40), the first on the warm start (version 0);
-    # a clear accuracy gain is not asserted yet: it is not reliable at 40 steps (issue 6 stays open on it)
-    assert summary["eval_version_before"] == 0 and 0 <= summary["eval_reward_after"] <= 1
+    # the final evaluation ran on the trained weights (version 40), the first on the warm start (version 0), and
+    # learning is real: measured gains at 25-40 steps were +0.18 to +0.22 greedy (200 prompts: the difference of
+    # two evaluations has a standard error of about 0.05), so +0.08 is a clear gain with margin against noise
+    assert summary["eval_version_before"] == 0
+    gain = summary["eval_reward_after"] - summary["eval_reward_before"]
+    assert gain >= 0.08, f"held-out greedy {summary['eval_reward_before']} -> {summary['eval_reward_after']}"
     for role in ROLES:
         assert (run_dir / "logs" / f"{role}.log").is_file(), role
     assert (run_dir / "config.toml").is_file() and (
