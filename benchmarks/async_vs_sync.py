@@ -7,12 +7,19 @@ Per eta: wall time of the training phase (the learner's loop from its first requ
 held-out evaluation is outside it; process start-up is reported apart as ``process_wall_seconds``), held-out greedy accuracy reached, mean staleness, and ``speedup`` = wall(eta=0) / wall(eta). From the
 synchronous run, ``ideal_speedup`` = (t_gen + t_train) / max(t_gen, t_train), with t_gen the learner's total wait
 for data and t_train its total training time. Target: speedup at eta = 2 >= 0.8 x ideal, reward no worse beyond noise.
+
+Placement: the engines are pinned to the first half of the cores and the learner ranks to the second half
+(``--placement split``, the default), the CPU stand-in for separate rollout and training GPUs, which is the
+deployment asynchrony is for. With ``--placement shared`` every process floats over every core: then the
+synchronous run already keeps all cores busy in each phase and overlap has nothing to win (reported, not a
+target).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -25,13 +32,27 @@ from benchmarks.plot import figure, line_chart
 ETAS = (0, 1, 2, 4)
 
 
-def run_up(run_dir: Path, eta: int, steps: int, model: Path, seed: int) -> dict:
+def placement_args(placement: str) -> list[str]:
+    """Engine and learner core sets for ``split``; nothing for ``shared``."""
+    if placement == "shared":
+        return []
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--placement split needs at least 2 cores; use --placement shared")
+    half = len(cores) // 2
+    return [
+        f"--engine.cpu_affinity={json.dumps(cores[:half])}",
+        f"--learner.cpu_affinity={json.dumps(cores[half:])}",
+    ]
+
+
+def run_up(run_dir: Path, eta: int, steps: int, model: Path, seed: int, placement: str = "split") -> dict:
     args = [
         sys.executable, "-m", "streamrl", "up", f"--shared.run_dir={run_dir}", f"--shared.eta={eta}",
         f"--shared.model_path={model}", f"--learner.max_steps={steps}", "--learner.wandb_mode=disabled",
         f"--learner.seed={seed}", f"--rollout.shuffle_seed={seed}",
         "--dashboard.port=0", "--dashboard.metrics_base_port=0", "--eval.every_versions=1000000",
-        "--up.status_interval_s=30",
+        "--up.status_interval_s=30", *placement_args(placement),
     ]  # fmt: skip
     proc = subprocess.run(args, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
@@ -90,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (15 quick, 40 full)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per eta (1 quick, 2 full)")
     parser.add_argument(
+        "--placement", choices=("split", "shared"), default="split",
+        help="split: engines and learner on disjoint cores (default); shared: every process on every core",
+    )  # fmt: skip
+    parser.add_argument(
         "--out", type=Path, required=True, help="result JSON (an SVG plot is written beside it)"
     )
     args = parser.parse_args(argv)
@@ -103,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         for seed in range(seeds):
             for eta in ETAS:
                 print(f"seed {seed} eta={eta}: {steps} steps ...", flush=True)
-                r = one_run(run_up(Path(tmp) / f"s{seed}-eta{eta}", eta, steps, model, seed))
+                r = one_run(run_up(Path(tmp) / f"s{seed}-eta{eta}", eta, steps, model, seed, args.placement))
                 per_eta[str(eta)].append(r)
                 print(f"  wall {r['wall_seconds']:.1f} s, held-out {r['eval_reward']:.3f}, "
                       f"staleness {r['mean_staleness']:.2f}", flush=True)  # fmt: skip
@@ -127,7 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         args.out,
         benchmark="async_vs_sync",
         mode="quick" if args.quick else "full",
-        params={"steps": steps, "seeds": seeds, "etas": list(ETAS), "model": str(model)},
+        params={
+            "steps": steps,
+            "seeds": seeds,
+            "placement": args.placement,
+            "etas": list(ETAS),
+            "model": str(model),
+        },
         results={"etas": runs},
         targets={"speedup_over_ideal": (">=", 0.8), "reward_margin_over_noise": (">=", 0.0)},
         headline=headline,

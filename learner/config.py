@@ -123,3 +123,8 @@ class LearnerConfig(Section):
     )
     wandb_mode: str = Field("offline", description="wandb mode: offline (default), online or disabled.")
     seed: int = Field(0, description="Seed of the learner's RNGs.")
+    cpu_affinity: list[int] = Field(
+        default_factory=list,
+        description="CPU cores the learner ranks are pinned to (empty: not pinned); disjoint from the engines' "
+        "they stand in for separate training GPUs.",
+    )

@@ -11,6 +11,7 @@ import time
 
 from broker.config import BrokerConfig, SharedConfig
 from broker.configlib import ConfigError, Section, dump_config, role_main
+from broker.cpus import pin_to_cpus
 from broker.discovery import resolve_redis_url
 from learner.config import LearnerConfig
 from learner.distributed import free_port, init_distributed
@@ -33,6 +34,7 @@ def run_rank(cfg: LearnerRoleConfig) -> int:
     from learner.publish import VersionOnlyPublisher, WeightSyncPublisher, registry_engines
     from learner.trainer import Learner
 
+    pin_to_cpus(cfg.learner.cpu_affinity, "learner.cpu_affinity")
     info = init_distributed(cfg.learner.pg_timeout_s, cfg.shared.torch_threads)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s learner[{info.rank}] %(levelname)s: %(message)s"

@@ -39,6 +39,11 @@ class EngineConfig(Section):
         8192, ge=1, description="Padded token budget of one batched prefill (a longer prompt runs alone)."
     )
     seed: int = Field(0, description="Seed of the engine's generator for requests without sampling_seed.")
+    cpu_affinity: list[int] = Field(
+        default_factory=list,
+        description="CPU cores engine processes are pinned to (empty: not pinned); disjoint from the learner's "
+        "they stand in for separate rollout GPUs.",
+    )
     request_timeout_s: float = Field(
         3600.0, gt=0, description="A /generate still running after this long is aborted and answered."
     )

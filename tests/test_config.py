@@ -169,3 +169,33 @@ def test_every_role_main_shares_help_and_errors(
     assert main_of_role(["--shared.eta=abc"]) == 2
     err = capsys.readouterr().err
     assert "shared.eta = 'abc'" in err and err.startswith("learner: " if prog == "learner" else "invalid")
+
+
+def test_cpu_affinity_pins_the_process_and_names_a_missing_core() -> None:
+    import os
+
+    from broker.configlib import ConfigError
+    from broker.cpus import pin_to_cpus
+
+    code = "import os; from broker.cpus import pin_to_cpus; pin_to_cpus([0], 'x'); print(sorted(os.sched_getaffinity(0)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[0]"
+    before = os.sched_getaffinity(0)
+    with pytest.raises(ConfigError, match=r"learner.cpu_affinity = \[4096\].*4096"):
+        pin_to_cpus([4096], "learner.cpu_affinity")
+    pin_to_cpus([], "engine.cpu_affinity")
+    assert os.sched_getaffinity(0) == before
+
+
+def test_engine_refuses_a_core_it_does_not_have(tmp_path) -> None:
+    args = [
+        sys.executable,
+        "-m",
+        "streamrl",
+        "engine",
+        "--engine.cpu_affinity=[4096]",
+        f"--shared.model_path={tmp_path}",
+    ]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "engine.cpu_affinity = [4096]" in proc.stderr + proc.stdout

@@ -15,6 +15,7 @@ import torch
 
 from broker.config import SharedConfig
 from broker.configlib import ConfigError, Section, role_main
+from broker.cpus import pin_to_cpus
 from rollout_fleet.config import EngineConfig
 from rollout_fleet.engine.core import Engine
 from rollout_fleet.engine.server import Extension, ServerSettings, serve
@@ -55,6 +56,7 @@ def run_engine(shared: SharedConfig, engine: EngineConfig, extensions: Iterable[
     """Serve on engine.host : (engine.port or engine.base_port) until SIGTERM / SIGINT; returns the exit code."""
     torch.set_num_threads(shared.torch_threads)
     try:
+        pin_to_cpus(engine.cpu_affinity, "engine.cpu_affinity")
         served = build_engine(shared, engine)
     except (ConfigError, OSError, ValueError) as exc:
         log.error("cannot start the engine: %s", exc)
