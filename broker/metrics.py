@@ -25,6 +25,8 @@ from broker.config import BrokerConfig, SharedConfig
 
 # Counter names (fields of the counters hash). Dead letters and drops also count per reason:
 # "dead_lettered:<reason>", "dropped:<reason>". Producers count under "producer:<id>:<name>".
+# A hash of run-wide facts written once (HSETNX), e.g. first_request_at: the run's first rollout request.
+RUN_INFO_KEY = "run-info"
 PRODUCED = "produced"
 PRODUCED_BYTES = "produced_bytes"
 RESENT = "resent"  # a send whose group id was already accepted (a retry after a lost reply, a duplicate)

@@ -38,7 +38,11 @@ class EngineConfig(Section):
     max_prefill_tokens: int = Field(
         8192, ge=1, description="Padded token budget of one batched prefill (a longer prompt runs alone)."
     )
-    seed: int = Field(0, description="Seed of the engine's generator for requests without sampling_seed.")
+    seed: int | None = Field(
+        None,
+        description="Sampling seed for requests without sampling_seed (engine i of a fleet gets seed + i); None: a "
+        "fresh random seed per engine process, as SGLang does.",
+    )
     cpu_affinity: list[int] = Field(
         default_factory=list,
         description="CPU cores engine processes are pinned to (empty: not pinned); disjoint from the learner's "

@@ -60,9 +60,12 @@ def _model_path(shared: SharedConfig, engine: EngineConfig) -> Path:
     return Path(path)
 
 
-def engine_command(shared: SharedConfig, engine: EngineConfig, port: int) -> list[str]:
-    """The command line that serves one engine of ``engine.kind`` on ``port``."""
+def engine_command(shared: SharedConfig, engine: EngineConfig, port: int, index: int = 0) -> list[str]:
+    """The command line that serves engine ``index`` of the fleet, of ``engine.kind``, on ``port``; a configured
+    seed becomes seed + index, so no two engines draw the same samples."""
     model = _model_path(shared, engine)
+    if engine.seed is not None:
+        engine = engine.model_copy(update={"seed": engine.seed + index})
     if engine.kind == "builtin":
         args = [sys.executable, "-m", "rollout_fleet.engine"]
         for name, value in engine.model_dump(mode="json").items():
@@ -87,8 +90,9 @@ def engine_command(shared: SharedConfig, engine: EngineConfig, port: int) -> lis
             "--tp-size", str(engine.tp_size),
             "--mem-fraction-static", str(engine.mem_fraction_static),
             "--max-running-requests", str(engine.max_running_requests),
-            "--random-seed", str(engine.seed),
         ]  # fmt: skip
+        if engine.seed is not None:
+            args += ["--random-seed", str(engine.seed)]
         if engine.served_model_name:
             args += ["--served-model-name", engine.served_model_name]
         if engine.max_context_len:
@@ -190,7 +194,7 @@ class Fleet:
         return self.urls
 
     async def _launch(self, m: ManagedEngine) -> None:
-        cmd = engine_command(self.shared, self.engine, m.port)
+        cmd = engine_command(self.shared, self.engine, m.port, m.index)
         m.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(m.log_path, "ab") as out:
             m.process = await asyncio.create_subprocess_exec(

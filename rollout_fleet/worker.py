@@ -41,7 +41,7 @@ import redis.asyncio as aioredis
 
 from broker.client import BrokerKeys
 from broker.config import BrokerConfig, SharedConfig
-from broker.metrics import MetricsWriter
+from broker.metrics import RUN_INFO_KEY, MetricsWriter
 from broker.producer import BackpressureTimeout, Producer
 from broker.record import RecordError, Sample, TrajectoryGroup
 from broker.staleness import StalenessManager
@@ -212,6 +212,7 @@ class RolloutWorker:
         self._prompt_ids: dict[int, list[int]] = {}
         self.versions.on_change = self._wake.set
         self.finished = False  # True when every prompt up to max_epochs is done
+        self._first_request_marked = False
 
     # -- the main loop ---------------------------------------------------------------------------------------
 
@@ -341,6 +342,9 @@ class RolloutWorker:
 
     async def _run_group(self, lease: Lease) -> None:
         group_id = lease.group_id(self.shared.run_id)
+        if not self._first_request_marked:
+            self._first_request_marked = True
+            await self._mark_first_request()
         try:
             group = await self._generate_group(lease, group_id)
             await self.producer.send(group)
@@ -364,6 +368,11 @@ class RolloutWorker:
                 await self._abandon(
                     lease, GroupAbandoned("worker_error", DROP, f"{type(exc).__name__}: {exc}")
                 )
+
+    async def _mark_first_request(self) -> None:
+        """The run's first rollout request, across workers and restarts (benchmarks' time-to-target clock)."""
+        with contextlib.suppress(Exception):
+            await self.redis.hsetnx(self.shared.key(RUN_INFO_KEY), "first_request_at", repr(time.time()))
 
     async def _abandon(self, lease: Lease, gone: GroupAbandoned) -> None:
         if gone.action == DROP:

@@ -11,6 +11,7 @@ import redis
 
 from broker.client import BrokerKeys
 from broker.discovery import RedisNotFound, resolve_redis_url
+from broker.metrics import RUN_INFO_KEY
 from streamrl.config import StreamRLConfig
 
 
@@ -99,8 +100,17 @@ class StatusReader:
             for k, v in learner.items()
             if k.startswith("samples/") and k != "samples/trained"
         }
+        try:
+            first = (
+                self.client.hget(self.config.shared.key(RUN_INFO_KEY), "first_request_at")
+                if self.client
+                else None
+            )
+        except (redis.RedisError, OSError):
+            first = None
         return {
             **self.learner_aggregates(),
+            "first_request_at": float(first) if first else None,
             "steps": int(learner.get("step", 0)),
             "policy_version": int(learner.get("policy_version", 0)),
             "samples_trained": int(learner.get("samples/trained", 0)),

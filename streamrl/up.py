@@ -80,7 +80,7 @@ def child_specs(cfg: StreamRLConfig, config_path: Path) -> tuple[list[ChildSpec]
         before.append(
             ChildSpec(
                 f"engine-{i}",
-                _argv("engine", config_path, f"--engine.port={port}"),
+                _argv("engine", config_path, f"--engine.port={port}", *_engine_seed(cfg, i)),
                 ready=lambda u=url: _http_ok(f"{u}/model_info"),
                 restart="on-failure",
                 max_restarts=cfg.up.engine_restarts,
@@ -95,6 +95,11 @@ def child_specs(cfg: StreamRLConfig, config_path: Path) -> tuple[list[ChildSpec]
     dash = f"http://{cfg.dashboard.host}:{cfg.dashboard.port}/"
     after.append(ChildSpec("dashboard", _argv("dashboard", config_path), ready=lambda: _http_ok(dash)))
     return before, after
+
+
+def _engine_seed(cfg: StreamRLConfig, index: int) -> list[str]:
+    """Engine i samples with seed + i (a shared seed would give every engine the same samples); none: random."""
+    return [] if cfg.engine.seed is None else [f"--engine.seed={cfg.engine.seed + index}"]
 
 
 def evaluate_now(cfg: StreamRLConfig, label: str) -> dict[str, float]:
@@ -147,7 +152,9 @@ def run_up(config: StreamRLConfig) -> int:
     return code
 
 
-def write_summary(cfg: StreamRLConfig, summary: dict[str, Any], started: float, totals: dict[str, Any]) -> None:
+def write_summary(
+    cfg: StreamRLConfig, summary: dict[str, Any], started: float, totals: dict[str, Any]
+) -> None:
     before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
     out = {
         "eval_reward_before": before.get("greedy_accuracy"),

@@ -105,6 +105,8 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
     # learning is real: measured gains at 25-40 steps were +0.18 to +0.22 greedy (200 prompts: the difference of
     # two evaluations has a standard error of about 0.05), so +0.08 is a clear gain with margin against noise
     assert summary["eval_version_before"] == 0
+    # the first rollout request is recorded (benchmarks start their time-to-target clock there)
+    assert summary["training_started_at"] < summary["first_request_at"] < summary["training_started_at"] + 600
     gain = summary["eval_reward_after"] - summary["eval_reward_before"]
     assert gain >= 0.08, f"held-out greedy {summary['eval_reward_before']} -> {summary['eval_reward_after']}"
     for role in ROLES:

@@ -1,8 +1,8 @@
 """The streamrl side of the side-by-side: `streamrl up` with the shared recipe, one run per eta, then the
 held-out curve from the learner's snapshots (evaluated after the run with the same function as the TRL side).
 
-The clock starts when `streamrl up` starts the rollout workers and the learner (its baseline evaluation is
-before that) and each point's time is when the learner wrote that step's snapshot, so held-out evaluation is
+The clock starts at the run's first rollout request (process start-up and the baseline evaluation are before
+it) and each point's time is when the learner wrote that step's snapshot, so held-out evaluation is
 outside the clock, as on the TRL side.
 """
 
@@ -40,7 +40,8 @@ def run_streamrl(model_dir: Path, recipe: GRPORecipe, eta: int, run_dir: Path) -
     if proc.returncode != 0:
         raise RuntimeError(f"streamrl up (eta={eta}) failed; see {run_dir}/logs:\n{proc.stdout[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    started = summary["training_started_at"]
+    # the clock starts at the run's first rollout request (the design brief's rule), recorded by the rollout worker
+    started = summary.get("first_request_at") or summary["training_started_at"]
     curve = Curve()
     curve.add(0, 0, 0.0, evaluate(model_dir, n=recipe.heldout, max_new_tokens=recipe.max_new_tokens))
     for snap in sorted((run_dir / "snapshots").glob("step-*")):
@@ -50,5 +51,13 @@ def run_streamrl(model_dir: Path, recipe: GRPORecipe, eta: int, run_dir: Path) -
                   info["time"] - started, scores)  # fmt: skip
         print(f"streamrl eta={eta} step {info['step']}: held-out greedy {scores['greedy_accuracy']:.3f} "
               f"at {info['time'] - started:.1f} s", flush=True)  # fmt: skip
-    keep = ("mean_staleness", "samples_trained", "samples_dropped", "training_wall_seconds", "steps")
+    keep = (
+        "first_request_at",
+        "training_started_at",
+        "mean_staleness",
+        "samples_trained",
+        "samples_dropped",
+        "training_wall_seconds",
+        "steps",
+    )
     return {"eta": eta, "curve": curve.points, "summary": {k: summary.get(k) for k in keep}}

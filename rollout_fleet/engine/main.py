@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import signal
 from collections.abc import Iterable
 
@@ -35,10 +36,18 @@ def build_engine(shared: SharedConfig, engine: EngineConfig) -> Engine:
         max_running_requests=engine.max_running_requests,
         max_context_len=engine.max_context_len,
         max_prefill_tokens=engine.max_prefill_tokens,
-        seed=engine.seed,
+        seed=engine_seed(engine.seed),
         step_log_size=engine.step_log_size,
         served_model_name=engine.served_model_name,
     ).start()
+
+
+def engine_seed(configured: int | None) -> int:
+    """The configured seed, else a fresh one: engines that share a seed draw identical samples for the same batch
+    layout, which duplicates samples inside a GRPO group split across them."""
+    seed = configured if configured is not None else secrets.randbits(31)
+    log.info("sampling seed %d%s", seed, "" if configured is not None else " (random)")
+    return seed
 
 
 def server_settings(engine: EngineConfig) -> ServerSettings:
