@@ -128,3 +128,13 @@ class LearnerConfig(Section):
         description="CPU cores the learner ranks are pinned to (empty: not pinned); disjoint from the engines' "
         "they stand in for separate training GPUs.",
     )
+
+    @model_validator(mode="after")
+    def _check_reference_model(self) -> LearnerConfig:
+        # The loss functions take a reference log-prob, but the learner loads no reference model yet: a k3 KL
+        # term would fail at the first step instead of here.
+        if self.loss.kl_coef > 0:
+            raise ValueError(
+                f"loss.kl_coef = {self.loss.kl_coef}: the learner does not load a reference model yet; set it to 0"
+            )
+        return self

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from pydantic import Field
 
-from broker.configlib import ConfigError, Section, iter_fields, role_main
+from broker.configlib import ConfigError, Section, iter_fields, load_config, role_main
 from streamrl.cli import main
 from streamrl.config import StreamRLConfig, load
 
@@ -199,3 +199,9 @@ def test_engine_refuses_a_core_it_does_not_have(tmp_path) -> None:
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "engine.cpu_affinity = [4096]" in proc.stderr + proc.stdout
+
+
+def test_learner_rejects_a_kl_term_it_has_no_reference_model_for() -> None:
+    with pytest.raises(ConfigError, match=r"kl_coef = 0.1"):
+        load_config(StreamRLConfig, ["--learner.loss.kl_coef=0.1"])
+    assert load_config(StreamRLConfig, ["--learner.loss.kl_coef=0"]).learner.loss.kl_coef == 0
