@@ -84,3 +84,13 @@ def test_async_vs_sync_command_line_changes_only_eta_and_seed(tmp_path: Path, mo
 class _Done:
     returncode = 0
     stdout = ""
+
+
+def test_mean_curve_averages_seeds_point_by_point() -> None:
+    from benchmarks.vs_trl.__main__ import mean_curve
+
+    a, b = curve((0, 0.0, 0.4), (5, 4.0, 0.6)), curve((0, 0.0, 0.4), (5, 6.0, 0.5))
+    assert mean_curve([a, b]) == [
+        {"step": 0, "samples": 0, "wall_seconds": 0.0, "greedy": 0.4, "sampled": 0.2},
+        {"step": 5, "samples": 320, "wall_seconds": 5.0, "greedy": 0.55, "sampled": 0.275},
+    ]

@@ -7,8 +7,8 @@ with the same group size, learning rate, temperature, max length and number of s
 GRPOTrainer generates with transformers on the CPU (no vLLM) and uses every core in each phase; streamrl runs
 `streamrl up` (2 built-in engines, a rollout worker, a 2-rank learner) at eta = 0 and at its default eta.
 
-The target reward is TRL's final held-out greedy accuracy (the mean of its last two evaluations, which halves
-the evaluation noise); ``time_to_target_ratio`` = TRL's training time to reach it / streamrl's (default eta),
+Each side runs ``--seeds`` times (seed s: sampling, learner and prompt order); curves are averaged point-wise over
+seeds. The target reward is TRL's final held-out greedy accuracy (the mean of its last two evaluations); ``time_to_target_ratio`` = TRL's training time to reach it / streamrl's (default eta),
 > 1 when streamrl is faster. Clocks count training only (held-out evaluation is excluded on both sides).
 Writes the JSON to --out and an SVG plot beside it (same name, .svg).
 """
@@ -36,7 +36,7 @@ def run_trl_subprocess(model_dir: Path, recipe: GRPORecipe, out: Path) -> dict[s
     """TRL in its own process, so its thread settings and imports do not touch ours."""
     cmd = [
         sys.executable, "-m", "benchmarks.vs_trl.trl_side", "--model", str(model_dir), "--out", str(out),
-        "--steps", str(recipe.steps), "--lr", str(recipe.lr), "--seed", str(recipe.seed),
+        "--steps", str(recipe.steps), "--lr", str(recipe.lr), "--seed", str(recipe.seed), "--shuffle-seed", str(recipe.shuffle_seed),
         "--eval-every", str(recipe.eval_every),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -91,27 +91,34 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="30 steps per side (about 10 minutes in all)")
     parser.add_argument(
-        "--steps", type=int, default=None, help="optimizer steps per side (30 quick, 100 full)"
+        "--steps", type=int, default=None, help="optimizer steps per side (30 quick, 60 full)"
     )
     parser.add_argument("--eta", type=int, default=DEFAULT_ETA, help="streamrl's asynchronous eta")
-    parser.add_argument("--seed", type=int, default=0, help="seed of both sides")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per side (1 quick, 2 full)")
     parser.add_argument("--out", type=Path, required=True, help="where to write the result JSON")
     args = parser.parse_args(argv)
-    steps = args.steps or (30 if args.quick else 100)
-    recipe = GRPORecipe(steps=steps, eval_every=5 if steps <= 50 else 10, seed=args.seed)
+    steps = args.steps or (30 if args.quick else 60)
+    seeds = args.seeds or (1 if args.quick else 2)
     from rollout_fleet.warmstart import init_warm_model
 
     model_dir = Path(init_warm_model())
+    per_seed: dict[str, list[list[dict[str, float]]]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
-        print(f"TRL GRPOTrainer: {steps} steps ...", flush=True)
-        trl = run_trl_subprocess(model_dir, recipe, Path(tmp) / "trl.json")
-        curves = {"TRL": trl["curve"]}
-        runs = {}
-        for eta in sorted({0, args.eta}):
-            print(f"streamrl eta={eta}: {steps} steps ...", flush=True)
-            runs[eta] = run_streamrl(model_dir, recipe, eta, Path(tmp) / f"eta{eta}")
-            curves[f"streamrl eta={eta}"] = runs[eta]["curve"]
-    target = target_of(trl["curve"])
+        for seed in range(seeds):
+            recipe = GRPORecipe(
+                steps=steps, eval_every=5 if steps <= 50 else 10, seed=seed, shuffle_seed=seed
+            )
+            print(f"seed {seed}: TRL GRPOTrainer, {steps} steps ...", flush=True)
+            trl = run_trl_subprocess(model_dir, recipe, Path(tmp) / f"trl{seed}.json")
+            per_seed.setdefault("TRL", []).append(trl["curve"])
+            for eta in sorted({0, args.eta}):
+                print(f"seed {seed}: streamrl eta={eta}, {steps} steps ...", flush=True)
+                run = run_streamrl(model_dir, recipe, eta, Path(tmp) / f"s{seed}-eta{eta}")
+                per_seed.setdefault(f"streamrl eta={eta}", []).append(run["curve"])
+                runs.setdefault(str(eta), []).append(run["summary"])
+    curves = {name: mean_curve(cs) for name, cs in per_seed.items()}
+    target = target_of(curves["TRL"])
     sides = {name: side_summary(c, target) for name, c in curves.items()}
     ours = sides[f"streamrl eta={args.eta}"]
     trl_side = sides["TRL"]
@@ -122,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         "target_reward": target,
         "trl_final_reward": trl_side["final_reward"],
         "streamrl_final_reward": ours["final_reward"],
-        "final_reward_margin_over_noise": margin + noise(trl_side["final_reward"], recipe.heldout),
+        "final_reward_margin_over_noise": margin + noise(trl_side["final_reward"], recipe.heldout * seeds),
     }
     doc = write_result(
         args.out,
@@ -130,21 +137,26 @@ def main(argv: list[str] | None = None) -> int:
         mode="quick" if args.quick else "full",
         params={
             "recipe": trl["recipe"],
+            "seeds": seeds,
             "model": str(model_dir),
             "eta": args.eta,
             "trl_config": trl["trl_config"],
         },
-        results={
-            "sides": sides,
-            "curves": curves,
-            "streamrl_runs": {str(k): v["summary"] for k, v in runs.items()},
-        },
+        results={"sides": sides, "curves": curves, "curves_per_seed": per_seed, "streamrl_runs": runs},
         targets={"time_to_target_ratio": (">=", 2.0), "final_reward_margin_over_noise": (">=", 0.0)},
         headline=headline,
     )
     plot(args.out.with_suffix(".svg"), curves)
     print(f"time_to_target_ratio {ratio:.2f} (target {target:.3f}); passed: {doc['passed']}")
     return 0
+
+
+def mean_curve(curves: list[list[dict[str, float]]]) -> list[dict[str, float]]:
+    """The point-wise mean over seeds (every seed evaluates at the same steps)."""
+    return [
+        {key: sum(c[i][key] for c in curves) / len(curves) for key in curves[0][i]}
+        for i in range(len(curves[0]))
+    ]
 
 
 if __name__ == "__main__":

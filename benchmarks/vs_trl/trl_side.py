@@ -186,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=25, help="optimizer steps")
     parser.add_argument("--eval-every", type=int, default=5, help="held-out evaluation every k steps")
     parser.add_argument("--lr", type=float, default=1e-4, help="learning rate")
-    parser.add_argument("--seed", type=int, default=0, help="seed of TRL's sampling and shuffling")
+    parser.add_argument("--seed", type=int, default=0, help="seed of TRL's sampling")
+    parser.add_argument(
+        "--shuffle-seed", type=int, default=0, help="prompt order (streamrl's rollout.shuffle_seed)"
+    )
     parser.add_argument(
         "--lr-schedule", default="constant", help="constant (streamrl's) or linear (TRL's default)"
     )
@@ -197,7 +200,12 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = args.model or init_warm_model()
     recipe = GRPORecipe(
-        steps=args.steps, lr=args.lr, seed=args.seed, lr_schedule=args.lr_schedule, eval_every=args.eval_every
+        steps=args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        shuffle_seed=args.shuffle_seed,
+        lr_schedule=args.lr_schedule,
+        eval_every=args.eval_every,
     )
     import tempfile
 
