@@ -87,6 +87,11 @@ class EngineConfig(Section):
         3, ge=0, description="Restarts of one launched engine that died before the fleet gives up on it."
     )
 
+    def seed_of(self, index: int) -> int | None:
+        """Engine ``index``'s sampling seed: seed + index (engines sharing a seed draw identical samples for the
+        same batch), or None for a random one."""
+        return None if self.seed is None else self.seed + index
+
 
 class RolloutConfig(Section):
     """Rollout workers: prompts in, one trajectory record per prompt group out."""

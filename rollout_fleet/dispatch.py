@@ -272,6 +272,11 @@ def _text(raw: Any) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
+def epoch_order(seed: int, epoch: int, num_prompts: int) -> np.ndarray:
+    """The prompt indices of ``epoch`` in hand-out order: a permutation drawn from ``(seed, epoch)``."""
+    return np.random.default_rng([seed, epoch]).permutation(num_prompts)
+
+
 class PromptDispatcher:
     """One worker's handle on the run's shared prompt dispatch (see the module docstring)."""
 
@@ -334,7 +339,7 @@ class PromptDispatcher:
         """The prompt indices of ``epoch`` in hand-out order: a permutation drawn from ``(seed, epoch)``."""
         order = self._orders.get(epoch)
         if order is None:
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_prompts)
+            order = epoch_order(self.seed, epoch, self.num_prompts)
             self._orders[epoch] = order
             while len(self._orders) > 4:
                 self._orders.popitem(last=False)

@@ -64,8 +64,7 @@ def engine_command(shared: SharedConfig, engine: EngineConfig, port: int, index:
     """The command line that serves engine ``index`` of the fleet, of ``engine.kind``, on ``port``; a configured
     seed becomes seed + index, so no two engines draw the same samples."""
     model = _model_path(shared, engine)
-    if engine.seed is not None:
-        engine = engine.model_copy(update={"seed": engine.seed + index})
+    engine = engine.model_copy(update={"seed": engine.seed_of(index)})
     if engine.kind == "builtin":
         args = [sys.executable, "-m", "rollout_fleet.engine"]
         for name, value in engine.model_dump(mode="json").items():

@@ -80,7 +80,12 @@ def child_specs(cfg: StreamRLConfig, config_path: Path) -> tuple[list[ChildSpec]
         before.append(
             ChildSpec(
                 f"engine-{i}",
-                _argv("engine", config_path, f"--engine.port={port}", *_engine_seed(cfg, i)),
+                _argv(
+                    "engine",
+                    config_path,
+                    f"--engine.port={port}",
+                    f"--engine.seed={json.dumps(cfg.engine.seed_of(i))}",
+                ),
                 ready=lambda u=url: _http_ok(f"{u}/model_info"),
                 restart="on-failure",
                 max_restarts=cfg.up.engine_restarts,
@@ -95,11 +100,6 @@ def child_specs(cfg: StreamRLConfig, config_path: Path) -> tuple[list[ChildSpec]
     dash = f"http://{cfg.dashboard.host}:{cfg.dashboard.port}/"
     after.append(ChildSpec("dashboard", _argv("dashboard", config_path), ready=lambda: _http_ok(dash)))
     return before, after
-
-
-def _engine_seed(cfg: StreamRLConfig, index: int) -> list[str]:
-    """Engine i samples with seed + i (a shared seed would give every engine the same samples); none: random."""
-    return [] if cfg.engine.seed is None else [f"--engine.seed={cfg.engine.seed + index}"]
 
 
 def evaluate_now(cfg: StreamRLConfig, label: str) -> dict[str, float]:

@@ -78,7 +78,10 @@ def trained_group_ids(run_dir: Path) -> list[str]:
 def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_model: Path) -> None:
     run_dir = tmp_path / "run"
     metrics_base = free_port()
-    proc = up(run_dir, warm_model, metrics_base, "--learner.max_steps=40", "--learner.keep_checkpoints=100")
+    proc = up(
+        run_dir, warm_model, metrics_base, "--learner.max_steps=40", "--learner.keep_checkpoints=100",
+        "--learner.snapshot_every=20",
+    )  # fmt: skip
     deadline = time.monotonic() + 600
     while learner_step(run_dir) < 3:
         assert proc.poll() is None, proc.stdout.read()
@@ -114,6 +117,9 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
     assert (run_dir / "config.toml").is_file() and (
         run_dir / "export" / "latest" / "model.safetensors"
     ).is_file()
+    snapshots = sorted((run_dir / "snapshots").glob("step-*"))
+    assert [json.loads((p / "snapshot.json").read_text())["step"] for p in snapshots] == [20, 40]
+    assert all((p / "model.safetensors").is_file() for p in snapshots)
     first = trained_group_ids(run_dir)
     assert len(first) == len(set(first)) == 40 * 16
 

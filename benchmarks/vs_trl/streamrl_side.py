@@ -8,6 +8,7 @@ outside the clock, as on the TRL side.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -32,6 +33,14 @@ def up_command(recipe: GRPORecipe, eta: int, run_dir: Path, model_dir: Path) -> 
     ]  # fmt: skip
 
 
+@functools.cache
+def baseline(model_dir: Path, heldout: int, max_new_tokens: int) -> dict[str, Any]:
+    """The starting model's held-out scores, once per invocation (the evaluation is seeded: every run's step 0)."""
+    from rollout_fleet.evaluation import evaluate
+
+    return evaluate(model_dir, n=heldout, max_new_tokens=max_new_tokens)
+
+
 def run_streamrl(model_dir: Path, recipe: GRPORecipe, eta: int, run_dir: Path) -> dict[str, Any]:
     """One `streamrl up` run and its held-out curve (step, samples, training wall seconds, greedy, sampled)."""
     from rollout_fleet.evaluation import evaluate
@@ -43,7 +52,7 @@ def run_streamrl(model_dir: Path, recipe: GRPORecipe, eta: int, run_dir: Path) -
     # the clock starts at the run's first rollout request (the design brief's rule), recorded by the rollout worker
     started = summary.get("first_request_at") or summary["training_started_at"]
     curve = Curve()
-    curve.add(0, 0, 0.0, evaluate(model_dir, n=recipe.heldout, max_new_tokens=recipe.max_new_tokens))
+    curve.add(0, 0, 0.0, baseline(model_dir, recipe.heldout, recipe.max_new_tokens))
     for snap in sorted((run_dir / "snapshots").glob("step-*")):
         info = json.loads((snap / "snapshot.json").read_text())
         scores = evaluate(snap, n=recipe.heldout, max_new_tokens=recipe.max_new_tokens)

@@ -10,9 +10,12 @@ runs (design brief: evaluation time is excluded on both sides).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,15 +58,15 @@ class Curve:
 
 def trl_dataset(recipe: GRPORecipe) -> Any:
     """The training prompts in the order streamrl's rollout worker hands them out (its first epoch's
-    permutation, drawn from ``(rollout.shuffle_seed, 0)``)."""
-    import numpy as np
+    permutation for ``rollout.shuffle_seed``)."""
     from datasets import Dataset
 
+    from rollout_fleet.dispatch import epoch_order
     from rollout_fleet.tasks import get_task
 
     task = get_task("arithmetic")
     count = recipe.steps * recipe.prompts_per_step
-    order = np.random.default_rng([recipe.shuffle_seed, 0]).permutation(task.num_prompts())[:count]
+    order = epoch_order(recipe.shuffle_seed, 0, task.num_prompts())[:count]
     prompts = [task.make_prompt(int(i)) for i in order]
     return Dataset.from_dict({"prompt": [p.text for p in prompts], "answer": [p.answer for p in prompts]})
 
@@ -156,27 +159,24 @@ def _plain(value: Any) -> Any:
 class TrainingClock:
     """Wall time with pauses: held-out evaluation does not count."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+        self._now = now
         self._start: float | None = None
         self._paused = 0.0
 
     def start(self) -> None:
-        self._start = time.monotonic()
+        self._start = self._now()
 
     def elapsed(self) -> float:
-        return 0.0 if self._start is None else time.monotonic() - self._start - self._paused
+        return 0.0 if self._start is None else self._now() - self._start - self._paused
 
-    def paused(self) -> Any:
-        clock = self
-
-        class _Pause:
-            def __enter__(self) -> None:
-                self.t = time.monotonic()
-
-            def __exit__(self, *exc: object) -> None:
-                clock._paused += time.monotonic() - self.t
-
-        return _Pause()
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        began = self._now()
+        try:
+            yield
+        finally:
+            self._paused += self._now() - began
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,8 +207,6 @@ def main(argv: list[str] | None = None) -> int:
         lr_schedule=args.lr_schedule,
         eval_every=args.eval_every,
     )
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="trl-") as tmp:
         result = run_trl(Path(model_dir), recipe, Path(tmp))
     args.out.write_text(json.dumps(result, indent=2))
