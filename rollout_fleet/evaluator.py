@@ -25,7 +25,7 @@ from broker.client import connect
 from broker.config import BrokerConfig, SharedConfig
 from broker.configlib import Section
 from broker.discovery import resolve_redis_url
-from broker.metrics import MetricsWriter
+from broker.metrics import MetricsReader, MetricsWriter
 from broker.version import PolicyVersion
 from rollout_fleet.client import EngineClient, SamplingConfig, build_generate_request
 from rollout_fleet.config import RolloutConfig
@@ -38,7 +38,10 @@ class EvalConfig(Section):
     """Held-out evaluation through the engines while training runs."""
 
     every_versions: int = Field(
-        5, ge=1, description="Evaluate whenever the policy version advanced this much."
+        5,
+        ge=0,
+        description="Evaluate whenever the policy version advanced this much; 0: no live evaluator "
+        "(`streamrl up` still evaluates before and after).",
     )
     heldout_prompts: int = Field(
         200, ge=1, description="Held-out prompts per evaluation (the task's test split)."
@@ -171,6 +174,15 @@ async def run_evaluation_once(
     return metrics
 
 
+async def last_evaluated_version(reader: MetricsReader) -> int | None:
+    """The policy version of the run's newest evaluation (``streamrl up``'s baseline, or this evaluator's
+    before a restart), so the loop does not evaluate the same weights twice."""
+    latest = await reader.latest("eval")
+    if latest is None or "policy_version" not in latest:
+        return None
+    return int(latest["policy_version"])
+
+
 async def evaluator_loop(
     shared: SharedConfig, rollout: RolloutConfig, config: EvalConfig, stop: asyncio.Event
 ) -> None:
@@ -179,7 +191,7 @@ async def evaluator_loop(
     client = connect(resolve_redis_url(shared, wait_s=30))
     versions = PolicyVersion(client, shared, BrokerConfig())
     writer = MetricsWriter(client, shared, "eval")
-    last: int | None = None
+    last = await last_evaluated_version(MetricsReader(client, shared))
     try:
         while not stop.is_set():
             version = await versions.get()
@@ -203,6 +215,9 @@ def run_evaluator(shared: SharedConfig, rollout: RolloutConfig, config: EvalConf
     if not rollout.engine_urls:
         log.error("rollout.engine_urls is empty: the evaluator needs the engines' URLs")
         return 2
+    if config.every_versions == 0:
+        log.info("eval.every_versions = 0: live evaluation is off")
+        return 0
 
     async def main() -> None:
         stop = asyncio.Event()

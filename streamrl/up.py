@@ -1,7 +1,8 @@
 """``streamrl up``: every role on one node under one supervisor, a live status line, and a summary.
 
 Order of start (each waits for the previous to be ready): Redis, the engines, a held-out evaluation of the
-starting policy, the learner, the rollout workers, the evaluator and the dashboard. The run ends when the
+starting policy, the learner (ready once it has published version 0 to the engines), the rollout workers, the
+evaluator (unless ``eval.every_versions`` is 0) and the dashboard. The run ends when the
 learner reaches ``learner.max_steps`` (then the final policy is evaluated through the engines and
 ``RUN_DIR/summary.json`` written), when a role dies (the others are stopped and the reason printed), or on
 SIGTERM / Ctrl-C (every role drains and checkpoints). ``streamrl up --resume RUN_DIR`` continues a stopped
@@ -21,6 +22,7 @@ from typing import Any
 
 import redis
 
+from broker.client import BrokerKeys
 from broker.configlib import dump_config
 from broker.discovery import url_file
 from learner.distributed import free_port
@@ -44,6 +46,13 @@ def _redis_ready(config: StreamRLConfig) -> bool:
     if not path.is_file():
         return False
     return bool(redis.Redis.from_url(path.read_text().strip(), socket_timeout=2).ping())
+
+
+def _version_published(config: StreamRLConfig) -> bool:
+    """The learner is ready once it has published a policy version (its weights are on the engines)."""
+    path = url_file(config.shared)
+    client = redis.Redis.from_url(path.read_text().strip(), socket_timeout=2)
+    return bool(client.exists(BrokerKeys.of(config.shared, config.broker).version))
 
 
 def _argv(role: str, config_path: Path, *extra: str) -> list[str]:
@@ -91,12 +100,22 @@ def child_specs(cfg: StreamRLConfig, config_path: Path) -> tuple[list[ChildSpec]
                 max_restarts=cfg.up.engine_restarts,
             )
         )
-    after = [ChildSpec("learner", _argv("learner", config_path), finishes_run=cfg.learner.max_steps > 0)]
+    # Rollouts start once the learner has published its weights: the clock of a run (its first rollout
+    # request) then leaves out the learner's start-up, as a trainer's clock leaves out model loading.
+    learner = ChildSpec(
+        "learner",
+        _argv("learner", config_path),
+        finishes_run=cfg.learner.max_steps > 0,
+        ready=lambda: _version_published(cfg),
+        ready_timeout_s=cfg.weight_sync.wait_for_engines_s + cfg.weight_sync.timeout_s,
+    )
+    after = [learner]
     for w in range(cfg.rollout.workers):
         after.append(
             ChildSpec(f"rollout-{w}", _argv("rollout", config_path, f"--rollout.worker_id=worker-{w}"))
         )
-    after.append(ChildSpec("eval", _argv("eval", config_path)))
+    if cfg.eval.every_versions > 0:
+        after.append(ChildSpec("eval", _argv("eval", config_path)))
     dash = f"http://{cfg.dashboard.host}:{cfg.dashboard.port}/"
     after.append(ChildSpec("dashboard", _argv("dashboard", config_path), ready=lambda: _http_ok(dash)))
     return before, after

@@ -220,8 +220,10 @@ def test_checksum_is_order_free_and_bit_sensitive() -> None:
 
 
 def test_config_flush_follows_pause_mode() -> None:
-    assert WeightSyncConfig().flush() is True
-    assert WeightSyncConfig(pause_mode="in_place").flush() is False  # the KV cache of paused requests stays
+    assert WeightSyncConfig().pause_mode == "in_place"
+    assert WeightSyncConfig().flush() is False  # the KV cache of paused requests stays
+    assert WeightSyncConfig(pause_mode="abort").flush() is True
+    assert WeightSyncConfig(pause_mode="retract").flush() is True
     assert WeightSyncConfig(pause_mode="in_place", flush_cache=True).flush() is True
     assert WeightSyncConfig().resolved_load_format("nccl") == "flattened_bucket"
     assert WeightSyncConfig().resolved_load_format("gloo") == "per_tensor"

@@ -17,7 +17,9 @@ class WeightSyncConfig(Section):
     )
     bucket_mb: float = Field(256, gt=0, description="Bucket size for the broadcast, MiB (fractions allowed).")
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
-        "abort", description="How engines pause during an update: abort, retract or in_place."
+        "in_place",
+        description="How engines pause during an update: in_place (keep requests and KV, decode on with the "
+        "new weights), retract (re-prefill under them) or abort (the rollout worker resubmits).",
     )
     timeout_s: float = Field(120.0, gt=0, description="Timeout of every broadcast and update call, seconds.")
     load_format: Literal["auto", "flattened_bucket", "per_tensor"] = Field(

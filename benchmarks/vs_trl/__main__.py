@@ -26,7 +26,7 @@ from typing import Any
 
 from benchmarks.common import write_result
 from benchmarks.plot import figure, line_chart
-from benchmarks.vs_trl.streamrl_side import run_streamrl
+from benchmarks.vs_trl.streamrl_side import deployment, run_streamrl
 from benchmarks.vs_trl.trl_side import GRPORecipe
 
 DEFAULT_ETA = 2
@@ -94,11 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         "--steps", type=int, default=None, help="optimizer steps per side (30 quick, 60 full)"
     )
     parser.add_argument("--eta", type=int, default=DEFAULT_ETA, help="streamrl's asynchronous eta")
-    parser.add_argument("--seeds", type=int, default=None, help="seeds per side (1 quick, 2 full)")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per side (1 quick, 3 full)")
     parser.add_argument("--out", type=Path, required=True, help="where to write the result JSON")
     args = parser.parse_args(argv)
     steps = args.steps or (30 if args.quick else 60)
-    seeds = args.seeds or (1 if args.quick else 2)
+    seeds = args.seeds or (1 if args.quick else 3)
     from rollout_fleet.warmstart import init_warm_model
 
     model_dir = Path(init_warm_model())
@@ -106,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
         for seed in range(seeds):
-            recipe = GRPORecipe(
-                steps=steps, eval_every=5 if steps <= 50 else 10, seed=seed, shuffle_seed=seed
-            )
+            recipe = GRPORecipe(steps=steps, eval_every=5, seed=seed, shuffle_seed=seed)
             print(f"seed {seed}: TRL GRPOTrainer, {steps} steps ...", flush=True)
             trl = run_trl_subprocess(model_dir, recipe, Path(tmp) / f"trl{seed}.json")
             per_seed.setdefault("TRL", []).append(trl["curve"])
@@ -141,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": str(model_dir),
             "eta": args.eta,
             "trl_config": trl["trl_config"],
+            "streamrl_deployment": deployment(recipe),
         },
         results={"sides": sides, "curves": curves, "curves_per_seed": per_seed, "streamrl_runs": runs},
         targets={"time_to_target_ratio": (">=", 2.0), "final_reward_margin_over_noise": (">=", 0.0)},

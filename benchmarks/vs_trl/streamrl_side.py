@@ -18,8 +18,19 @@ from typing import Any
 from benchmarks.vs_trl.trl_side import Curve, GRPORecipe
 
 
+def deployment(recipe: GRPORecipe) -> list[str]:
+    """streamrl's best deployment on this 2-core machine (measured: docs/vs_trl.md); the recipe is unchanged."""
+    return [
+        "--engine.count=1",  # one engine decodes a whole step's samples in one batch
+        f"--engine.max_running_requests={recipe.prompts_per_step * recipe.group_size}",
+        "--learner.world_size=1",  # a second FSDP rank on 2 cores adds gloo traffic, not compute
+        "--learner.micro_batch_tokens=2048",  # smaller micro-batches of similar lengths pad less
+        "--eval.every_versions=0",  # no live evaluator on the engines: the curve comes from snapshots
+    ]
+
+
 def up_command(recipe: GRPORecipe, eta: int, run_dir: Path, model_dir: Path) -> list[str]:
-    """The `streamrl up` command line of one run: the recipe's knobs, snapshots for the curve, no live eval."""
+    """The `streamrl up` command line of one run: the recipe's knobs, the deployment, snapshots for the curve."""
     return [
         sys.executable, "-m", "streamrl", "up",
         f"--shared.run_dir={run_dir}", f"--shared.eta={eta}", f"--shared.model_path={model_dir}",
@@ -28,8 +39,8 @@ def up_command(recipe: GRPORecipe, eta: int, run_dir: Path, model_dir: Path) -> 
         f"--rollout.temperature={recipe.temperature}", f"--rollout.max_new_tokens={recipe.max_new_tokens}",
         f"--rollout.shuffle_seed={recipe.shuffle_seed}", f"--learner.seed={recipe.seed}",
         f"--learner.snapshot_every={recipe.eval_every}", "--learner.loss.eps_high=0.2",
-        "--learner.wandb_mode=disabled", "--eval.every_versions=1000000",
-        "--dashboard.port=0", "--dashboard.metrics_base_port=0", "--up.status_interval_s=30",
+        "--learner.wandb_mode=disabled", "--dashboard.port=0", "--dashboard.metrics_base_port=0",
+        "--up.status_interval_s=30", *deployment(recipe),
     ]  # fmt: skip
 
 

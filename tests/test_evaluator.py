@@ -1,0 +1,87 @@
+"""The live evaluator against a real built-in engine and a real Redis: it skips weights that were already
+evaluated (``streamrl up``'s baseline) and evaluates each version that advanced by ``every_versions``."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from broker.client import connect
+from broker.config import BrokerConfig, SharedConfig
+from broker.metrics import MetricsReader, MetricsWriter
+from broker.version import PolicyVersion
+from rollout_fleet.evaluator import EvalConfig, evaluator_loop, last_evaluated_version
+from rollout_fleet.model import init_tiny_model
+from streamrl.config import StreamRLConfig
+from streamrl.up import child_specs
+from tests.test_rollout_worker import configs, serving
+
+EVAL = EvalConfig(every_versions=2, heldout_prompts=4, max_new_tokens=8, concurrency=8, poll_s=0.05)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_tiny_model(tmp_path_factory.mktemp("evaluator") / "tiny")
+
+
+async def wait_for(predicate, timeout_s: float = 60.0) -> None:  # noqa: ANN001
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_evaluator_skips_the_baseline_and_evaluates_new_versions(
+    model_dir: Path, redis_url: str
+) -> None:
+    with serving(model_dir) as server:
+        shared, _, rollout = configs(model_dir, [server.url])
+        shared = SharedConfig(**{**shared.model_dump(), "redis_url": redis_url})
+        client = connect(redis_url)
+        reader = MetricsReader(client, shared)
+        versions = PolicyVersion(client, shared, BrokerConfig())
+        assert await last_evaluated_version(reader) is None
+        await versions.publish(0)
+        # what `streamrl up` writes after its baseline evaluation of version 0
+        await MetricsWriter(client, shared, "eval").write({"greedy_accuracy": 0.5, "policy_version": 0.0})
+        assert await last_evaluated_version(reader) == 0
+
+        stop = asyncio.Event()
+        loop = asyncio.create_task(evaluator_loop(shared, rollout, EVAL, stop))
+        served_before = server.engine.stats()["finished_requests"]
+        await asyncio.sleep(1.0)  # twenty polls of version 0
+        assert len(await reader.read("eval")) == 1
+        assert server.engine.stats()["finished_requests"] == served_before  # the engine was not asked
+
+        await versions.publish(1)  # below every_versions: still nothing
+        await asyncio.sleep(0.5)
+        assert len(await reader.read("eval")) == 1
+
+        server.engine.set_weight_version("2")
+        await versions.publish(2)
+        await wait_for(lambda: _count(reader, 2))
+        latest = await reader.latest("eval")
+        assert latest is not None and latest["policy_version"] == 2 and latest["n"] == 4
+        assert server.engine.stats()["finished_requests"] == served_before + 2 * 4  # greedy + sampled
+        stop.set()
+        await asyncio.wait_for(loop, 30)
+        await client.aclose()
+
+
+async def _count(reader: MetricsReader, n: int) -> bool:
+    return len(await reader.read("eval")) >= n
+
+
+def test_every_versions_0_leaves_the_live_evaluator_out_of_up(tmp_path: Path) -> None:
+    def roles(every: int) -> list[str]:
+        cfg = StreamRLConfig.model_validate({"eval": {"every_versions": every}})
+        cfg.shared.run_dir = tmp_path
+        cfg.rollout.engine_urls = ["http://127.0.0.1:1"]
+        before, after = child_specs(cfg, tmp_path / "config.toml")
+        return [s.name for s in before + after]
+
+    assert "eval" in roles(5)
+    assert "eval" not in roles(0)
+    assert roles(0).index("learner") < roles(0).index("rollout-0")
