@@ -94,6 +94,11 @@ class LearnerConfig(Section):
     micro_batch_tokens: int = Field(
         8192, ge=1, description="Token budget of a micro-batch, counted padded (rows x longest row)."
     )
+    intake_order: Literal["oldest_first", "arrival"] = Field(
+        "oldest_first",
+        description="Which delivered groups a step takes first: oldest policy version first (a group that "
+        "finished late is trained before fresher ones instead of going stale behind them) or stream order.",
+    )
     loss: LossConfig = Field(default_factory=LossConfig, description="Policy loss selection and knobs.")
     advantage: AdvantageConfig = Field(
         default_factory=AdvantageConfig, description="Advantage estimator and dynamic sampling."

@@ -98,21 +98,35 @@ class Intake:
                 batch.wait_s += time.monotonic() - started
                 self._partial = batch
                 raise NotReady
-            wanted = self.config.groups_per_step - len(batch.deliveries)
-            fetched, self._carry = self._carry or await self._fetch(wanted), []
-            for delivery in fetched:
+            for delivery in await self._candidates(self.config.groups_per_step - len(batch.deliveries)):
                 await self._admit(delivery, batch)
         batch.wait_s += time.monotonic() - started
         return batch
 
-    async def _fetch(self, wanted: int) -> list[Delivery]:
+    async def _candidates(self, wanted: int) -> list[Delivery]:
+        """The deliveries to consider next, in the order they are taken.
+
+        ``arrival``: what was carried over, else the next ``wanted`` entries of the stream. ``oldest_first``:
+        also everything else delivered by now (without waiting when the carry already fills the step), sorted
+        by the group's oldest token version. Groups finish out of order (a group of long samples finishes after
+        groups admitted later); in stream order such a group queues behind fresher ones and crosses the
+        staleness bound, while oldest first trains it while it is still within the bound and leaves the
+        fresher ones, which can wait, for the next step."""
+        carry, self._carry = self._carry, []
+        if self.config.intake_order == "arrival":
+            return carry or await self._fetch(wanted)
+        window = max(wanted, self.config.groups_per_step * (self.eta + 1)) - len(carry)
+        fresh = await self._fetch(window, wait=len(carry) < wanted) if window > 0 else []
+        return sorted(carry + fresh, key=lambda d: d.group.min_version())  # stable: ties keep arrival order
+
+    async def _fetch(self, wanted: int, wait: bool = True) -> list[Delivery]:
         now = time.monotonic()
         if now - self._last_claim > self.consumer.config.claim_idle_ms / 2000:
             self._last_claim = now
             claimed = await self.consumer.claim_stale()
             if claimed:
                 return claimed
-        return await self.consumer.read(count=wanted, block_ms=self.consumer.config.block_ms)
+        return await self.consumer.read(count=wanted, block_ms=self.consumer.config.block_ms if wait else 0)
 
     async def _admit(self, delivery: Delivery, batch: StepBatch) -> None:
         group = delivery.group
