@@ -20,6 +20,7 @@ from learner.distributed import free_port
 from tests.prom import scrape
 
 pytestmark = pytest.mark.timeout(1200)
+STEPS = 60  # learner steps of the first run (the resumed run adds 10)
 ROLES = ["redis", "engine-0", "engine-1", "learner", "rollout-0", "eval", "dashboard"]
 
 
@@ -79,8 +80,8 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
     run_dir = tmp_path / "run"
     metrics_base = free_port()
     proc = up(
-        run_dir, warm_model, metrics_base, "--learner.max_steps=40", "--learner.keep_checkpoints=100",
-        "--learner.snapshot_every=20",
+        run_dir, warm_model, metrics_base, f"--learner.max_steps={STEPS}", "--learner.keep_checkpoints=100",
+        f"--learner.snapshot_every={STEPS // 2}",
     )  # fmt: skip
     deadline = time.monotonic() + 600
     while learner_step(run_dir) < 3:
@@ -102,11 +103,12 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
     for key in ("eval_reward_before", "eval_reward_after", "steps", "samples_trained", "samples_dropped",
                 "wall_seconds"):  # fmt: skip
         assert summary[key] is not None, key
-    assert summary["steps"] == 40 and summary["eval_version_after"] == 40
-    assert summary["samples_trained"] == 40 * 16 * 8  # 16 groups of 8 samples per step by default
-    # the final evaluation ran on the trained weights (version 40), the first on the warm start (version 0), and
-    # learning is real: measured gains at 25-40 steps were +0.18 to +0.22 greedy (200 prompts: the difference of
-    # two evaluations has a standard error of about 0.05), so +0.08 is a clear gain with margin against noise
+    assert summary["steps"] == STEPS and summary["eval_version_after"] == STEPS
+    assert summary["samples_trained"] == STEPS * 16 * 8  # 16 groups of 8 samples per step by default
+    # the final evaluation ran on the trained weights (version STEPS), the first on the warm start (version 0), and
+    # learning is real: at eta 2 the held-out curve dips early on some seeds (one run here stood at +0.03 after 40
+    # steps), while after 60 steps the nine eta-2 runs of the TRL benchmark gained +0.14 to +0.23 greedy (200
+    # prompts: the difference of two evaluations has a standard error of about 0.05), so +0.08 is a clear gain
     assert summary["eval_version_before"] == 0
     # the first rollout request is recorded (benchmarks start their time-to-target clock there)
     assert summary["training_started_at"] < summary["first_request_at"] < summary["training_started_at"] + 600
@@ -118,21 +120,21 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
         run_dir / "export" / "latest" / "model.safetensors"
     ).is_file()
     snapshots = sorted((run_dir / "snapshots").glob("step-*"))
-    assert [json.loads((p / "snapshot.json").read_text())["step"] for p in snapshots] == [20, 40]
+    assert [json.loads((p / "snapshot.json").read_text())["step"] for p in snapshots] == [STEPS // 2, STEPS]
     assert all((p / "model.safetensors").is_file() for p in snapshots)
     first = trained_group_ids(run_dir)
-    assert len(first) == len(set(first)) == 40 * 16
+    assert len(first) == len(set(first)) == STEPS * 16
 
     # resume the stopped run: it continues from its checkpoint and stream, no group is trained twice
-    args = [sys.executable, "-m", "streamrl", "up", "--resume", str(run_dir), "--learner.max_steps=50",
+    args = [sys.executable, "-m", "streamrl", "up", "--resume", str(run_dir), f"--learner.max_steps={STEPS + 10}",
             f"--dashboard.metrics_base_port={free_port()}"]  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
     resumed = json.loads((run_dir / "summary.json").read_text())
-    assert resumed["steps"] == 50
+    assert resumed["steps"] == STEPS + 10
     ids = trained_group_ids(run_dir)
-    assert len(ids) == len(set(ids)) == 50 * 16
+    assert len(ids) == len(set(ids)) == (STEPS + 10) * 16
 
 
 def test_sigterm_stops_every_role_cleanly(tmp_path: Path, warm_model: Path) -> None:
