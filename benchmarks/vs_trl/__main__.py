@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         benchmark="vs_trl",
         mode="quick" if args.quick else "full",
         params={
-            "recipe": trl["recipe"],
+            # what every run shares; seed s sets sampling, the learner and the prompt order of run s
+            "recipe": {k: v for k, v in trl["recipe"].items() if k not in ("seed", "shuffle_seed")},
             "seeds": seeds,
             "model": str(model_dir),
             "eta": args.eta,
