@@ -24,7 +24,7 @@ import redis
 
 from broker.client import BrokerKeys
 from broker.configlib import dump_config
-from broker.discovery import url_file
+from broker.discovery import resolve_redis_url, url_file
 from learner.distributed import free_port
 from streamrl.config import StreamRLConfig
 from streamrl.status import StatusReader
@@ -49,10 +49,13 @@ def _redis_ready(config: StreamRLConfig) -> bool:
 
 
 def _version_published(config: StreamRLConfig) -> bool:
-    """The learner is ready once it has published a policy version (its weights are on the engines)."""
-    path = url_file(config.shared)
-    client = redis.Redis.from_url(path.read_text().strip(), socket_timeout=2)
-    return bool(client.exists(BrokerKeys.of(config.shared, config.broker).version))
+    """The learner is ready once it has published a policy version (its weights are on the engines). Reads the
+    run's Redis wherever it is: the embedded server's URL file, or ``shared.redis_url`` / REDIS_URL."""
+    client = redis.Redis.from_url(resolve_redis_url(config.shared), socket_timeout=2)
+    try:
+        return bool(client.exists(BrokerKeys.of(config.shared, config.broker).version))
+    finally:
+        client.close()
 
 
 def _argv(role: str, config_path: Path, *extra: str) -> list[str]:

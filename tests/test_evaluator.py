@@ -84,4 +84,3 @@ def test_every_versions_0_leaves_the_live_evaluator_out_of_up(tmp_path: Path) ->
 
     assert "eval" in roles(5)
     assert "eval" not in roles(0)
-    assert roles(0).index("learner") < roles(0).index("rollout-0")

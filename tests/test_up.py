@@ -76,6 +76,28 @@ def trained_group_ids(run_dir: Path) -> list[str]:
     return ids
 
 
+async def test_learner_counts_as_ready_once_version_0_is_published(redis_url: str, tmp_path: Path) -> None:
+    """Rollouts wait for this probe: it reads the run's Redis (here an external one, `shared.redis_url`) and turns
+    true only when the learner has published a policy version."""
+    from broker.client import connect
+    from broker.config import BrokerConfig
+    from broker.version import PolicyVersion
+    from streamrl.config import StreamRLConfig
+    from streamrl.up import child_specs
+
+    cfg = StreamRLConfig.model_validate({"shared": {"redis_url": redis_url, "run_dir": str(tmp_path)}})
+    cfg.rollout.engine_urls = ["http://127.0.0.1:1"]
+    _, after = child_specs(cfg, tmp_path / "config.toml")
+    names = [s.name for s in after]
+    learner = after[names.index("learner")]
+    assert names.index("learner") < names.index("rollout-0") and learner.ready is not None
+    assert learner.ready() is False
+    client = connect(redis_url)
+    await PolicyVersion(client, cfg.shared, BrokerConfig()).publish(0)
+    await client.aclose()
+    assert learner.ready() is True
+
+
 def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_model: Path) -> None:
     run_dir = tmp_path / "run"
     metrics_base = free_port()
