@@ -94,6 +94,11 @@ class LearnerConfig(Section):
     micro_batch_tokens: int = Field(
         8192, ge=1, description="Token budget of a micro-batch, counted padded (rows x longest row)."
     )
+    share_prompts: bool = Field(
+        True,
+        description="Run a prompt once per micro-batch row for all the samples that share it (a group), "
+        "not once per sample; the loss and gradients stay the same.",
+    )
     intake_order: Literal["oldest_first", "arrival"] = Field(
         "oldest_first",
         description="Which delivered groups a step takes first: oldest policy version first (a group that "

@@ -85,9 +85,40 @@ class TrainSequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
 
+# Per-sample attention of shared rows runs in buckets of similar lengths of at most this many padded tokens,
+# so short samples do not pad to the longest of their micro-batch (attention cost grows with length squared).
+ATTENTION_BUCKET_TOKENS = 1024
+
+
+@dataclass
+class SharedRows:
+    """The forward layout of a micro-batch whose samples share prompts (see :mod:`learner.attention`).
+
+    Row ``u`` holds one prompt followed by the outputs of the samples that share it, right-padded to the
+    longest row ``W``; each output's position ids restart at the prompt's length, so every token sits at the
+    position it has in its own sample. ``source`` and ``target`` map between this layout and the
+    micro-batch's per-sample ``[b, L]`` layout.
+    """
+
+    input_ids: Tensor  # long [r, W]; pad_id in padding
+    position_ids: Tensor  # long [r, W]; 0 in padding
+    source: Tensor  # long [b, L]; flat row position (row * W + col) of sample i's token t (0 in padding)
+    target: Tensor  # long [r * W]; position in the flattened bucket outputs that row position takes
+    buckets: list[tuple[int, int, int]]  # (start, end, length): samples start..end-1 attend padded to length
+    real_tokens: int  # tokens in the rows, padding excepted
+
+    def to(self, device: torch.device | str) -> SharedRows:
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return SharedRows(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in moved.items()})
+
+
 @dataclass
 class MicroBatch:
-    """Right-padded ``[b, L]`` tensors for one forward/backward (layout in the module docstring)."""
+    """Right-padded ``[b, L]`` tensors for one forward/backward (layout in the module docstring).
+
+    ``shared`` is set when samples share prompt rows: the forward then runs on ``shared``'s rows and its
+    logits are gathered back into this ``[b, L]`` layout, where the loss sees them as usual.
+    """
 
     input_ids: Tensor  # long [b, L]; pad_id in padding
     attention_mask: Tensor  # long [b, L]; 1 on real tokens
@@ -97,15 +128,19 @@ class MicroBatch:
     loss_mask: Tensor  # float32 [b, L]; 1 where token t is trained
     advantages: Tensor  # float32 [b, L]; 0 off outputs
     seq_index: Tensor  # long [b]; TrainSequence.index per row, -1 for the dummy row
+    shared: SharedRows | None = None
 
     @property
     def num_tokens(self) -> int:
-        """Real (attended) tokens, the dummy row's excepted."""
+        """Real tokens in the forward pass (each shared prompt once), the dummy row's excepted."""
+        if self.shared is not None:
+            return self.shared.real_tokens
         return int(self.attention_mask[self.seq_index >= 0].sum())
 
     @property
     def padded_tokens(self) -> int:
-        return self.input_ids.numel()
+        """Tokens in the forward pass, padding included."""
+        return (self.shared.input_ids if self.shared is not None else self.input_ids).numel()
 
     @property
     def loss_tokens(self) -> int:
@@ -116,7 +151,8 @@ class MicroBatch:
         return bool((self.seq_index < 0).all())
 
     def to(self, device: torch.device | str) -> MicroBatch:
-        return MicroBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return MicroBatch(**{k: None if v is None else v.to(device) for k, v in moved.items()})
 
 
 @dataclass(frozen=True)
@@ -197,8 +233,120 @@ def plan_step(lengths: Sequence[int], world_size: int, token_budget: int) -> Ste
     return StepPlan(ranks=per_rank, lengths=list(lengths))
 
 
-def collate(seqs: Sequence[TrainSequence], pad_id: int = 0) -> MicroBatch:
-    """Right-pad ``seqs`` into one :class:`MicroBatch`; no sequences gives the one-token dummy row."""
+def share_prompts(seqs: Sequence[TrainSequence], token_budget: int) -> list[list[int]]:
+    """Forward rows of a step: indices of sequences that share a prompt, one prompt per row.
+
+    Sequences with identical prompt ids (a group's samples) are taken in order; a row takes the next one while
+    the row (the prompt once plus every output) stays within ``token_budget``, so sharing never makes a row
+    longer than the budget unless a single sequence already is (it then has a row of its own).
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget = {token_budget} must be at least 1")
+    by_prompt: dict[bytes, list[int]] = {}
+    for i, s in enumerate(seqs):
+        by_prompt.setdefault(s.prompt_ids.numpy().tobytes(), []).append(i)
+    rows: list[list[int]] = []
+    for members in by_prompt.values():
+        row: list[int] = []
+        width = 0
+        for i in members:
+            output = len(seqs[i].output_ids)
+            if row and width + output > token_budget:
+                rows.append(row)
+                row = []
+            if not row:
+                width = len(seqs[i].prompt_ids)
+            row.append(i)
+            width += output
+        rows.append(row)
+    return rows
+
+
+def plan_rows(
+    seqs: Sequence[TrainSequence], world_size: int, token_budget: int, share: bool
+) -> tuple[list[list[int]], StepPlan]:
+    """A step's forward rows (shared prompts when ``share``, else one sequence each) and their plan."""
+    rows = share_prompts(seqs, token_budget) if share else [[i] for i in range(len(seqs))]
+    return rows, plan_step(row_lengths(seqs, rows), world_size, token_budget)
+
+
+def row_lengths(seqs: Sequence[TrainSequence], rows: Sequence[Sequence[int]]) -> list[int]:
+    """Tokens of each shared row: its prompt once plus all its outputs."""
+    return [len(seqs[r[0]].prompt_ids) + sum(len(seqs[i].output_ids) for i in r) for r in rows]
+
+
+def _check_rows(seqs: Sequence[TrainSequence], rows: Sequence[Sequence[int]]) -> None:
+    if sorted(i for r in rows for i in r) != list(range(len(seqs))):
+        raise ValueError(f"rows {[list(r) for r in rows]} must split sequences 0..{len(seqs) - 1}, each once")
+    for r in rows:
+        for i in r[1:]:
+            if not torch.equal(seqs[i].prompt_ids, seqs[r[0]].prompt_ids):
+                raise ValueError(f"sequences {r[0]} and {i} share a row but not a prompt")
+
+
+def _attention_buckets(lengths: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(start, end, length)`` ranges of samples (sorted longest first) padded together in attention."""
+    return [(b[0], b[-1] + 1, lengths[b[0]]) for b in plan_micro_batches(lengths, ATTENTION_BUCKET_TOKENS)]
+
+
+def _shared_rows(seqs: Sequence[TrainSequence], rows: Sequence[Sequence[int]], pad_id: int) -> SharedRows:
+    """The row layout of ``seqs`` (sorted longest first) under ``rows``."""
+    width = max(row_lengths(seqs, rows))
+    buckets = _attention_buckets([s.length for s in seqs])
+    flat_start: dict[int, int] = {}  # sample -> its first position in the flattened bucket outputs
+    offset = 0
+    for start, end, length in buckets:
+        for i in range(start, end):
+            flat_start[i] = offset + (i - start) * length
+        offset += (end - start) * length
+    out = SharedRows(
+        input_ids=torch.full((len(rows), width), pad_id, dtype=torch.long),
+        position_ids=torch.zeros(len(rows), width, dtype=torch.long),
+        source=torch.zeros(len(seqs), seqs[0].length, dtype=torch.long),
+        target=torch.zeros(len(rows) * width, dtype=torch.long),
+        buckets=buckets,
+        real_tokens=sum(row_lengths(seqs, rows)),
+    )
+    for u, members in enumerate(rows):
+        base, prompt = u * width, seqs[members[0]].prompt_ids
+        p = len(prompt)
+        out.input_ids[u, :p] = prompt
+        out.position_ids[u, :p] = torch.arange(p)
+        out.target[base : base + p] = flat_start[members[0]] + torch.arange(p)  # the first sample's copy
+        col = p
+        for i in members:
+            o = len(seqs[i].output_ids)
+            out.input_ids[u, col : col + o] = seqs[i].output_ids
+            out.position_ids[u, col : col + o] = torch.arange(p, p + o)
+            out.source[i, :p] = base + torch.arange(p)
+            out.source[i, p : p + o] = base + col + torch.arange(o)
+            out.target[base + col : base + col + o] = flat_start[i] + p + torch.arange(o)
+            col += o
+    return out
+
+
+def collate(
+    seqs: Sequence[TrainSequence], pad_id: int = 0, rows: Sequence[Sequence[int]] | None = None
+) -> MicroBatch:
+    """Right-pad ``seqs`` into one :class:`MicroBatch`; no sequences gives the one-token dummy row.
+
+    ``rows`` (indices into ``seqs``, each sequence once, a row's sequences sharing one prompt) adds the
+    shared forward layout when some row holds more than one sequence; the samples are then laid out
+    longest first (``seq_index`` says which is which).
+    """
+    if seqs and rows is not None:
+        _check_rows(seqs, rows)
+        if any(len(r) > 1 for r in rows):
+            order = sorted(range(len(seqs)), key=lambda i: (-seqs[i].length, i))
+            place = {old: new for new, old in enumerate(order)}
+            ordered = [seqs[i] for i in order]
+            mb = _collate_samples(ordered, pad_id)
+            mb.shared = _shared_rows(ordered, [[place[i] for i in r] for r in rows], pad_id)
+            return mb
+    return _collate_samples(seqs, pad_id)
+
+
+def _collate_samples(seqs: Sequence[TrainSequence], pad_id: int) -> MicroBatch:
     if not seqs:
         one = torch.ones(1, 1, dtype=torch.long)
         zero_f = torch.zeros(1, 1)
@@ -236,12 +384,29 @@ def collate(seqs: Sequence[TrainSequence], pad_id: int = 0) -> MicroBatch:
 
 
 def rank_micro_batches(
-    seqs: Sequence[TrainSequence], plan: StepPlan, rank: int, pad_id: int = 0
+    seqs: Sequence[TrainSequence],
+    plan: StepPlan,
+    rank: int,
+    pad_id: int = 0,
+    rows: Sequence[Sequence[int]] | None = None,
 ) -> list[MicroBatch]:
-    """The collated micro-batches of ``rank`` under ``plan`` (``seqs`` indexed like ``plan.lengths``)."""
-    if len(seqs) != len(plan.lengths):
-        raise ValueError(f"plan covers {len(plan.lengths)} sequences, got {len(seqs)}")
-    return [collate([seqs[i] for i in mb], pad_id) for mb in plan.ranks[rank]]
+    """The collated micro-batches of ``rank`` under ``plan``.
+
+    Without ``rows`` the plan was made over the sequences' lengths (``seqs`` indexed like ``plan.lengths``);
+    with ``rows`` (from :func:`share_prompts`) it was made over :func:`row_lengths` and lists row indices.
+    """
+    if rows is None:
+        rows = [[i] for i in range(len(seqs))]
+    if len(rows) != len(plan.lengths):
+        raise ValueError(f"plan covers {len(plan.lengths)} rows, got {len(rows)}")
+    batches = []
+    for mb in plan.ranks[rank]:
+        members = [i for u in mb for i in rows[u]]
+        local: list[list[int]] = []
+        for u in mb:
+            local.append(list(range(sum(map(len, local)), sum(map(len, local)) + len(rows[u]))))
+        batches.append(collate([seqs[i] for i in members], pad_id, local))
+    return batches
 
 
 def step_loss_units(seqs: Sequence[TrainSequence], aggregation: Aggregation) -> int:

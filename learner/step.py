@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from learner.attention import SHARED_PROMPT_ATTENTION
 from learner.config import LearnerConfig
 from learner.losses import compute_policy_loss
 from learner.packing import MicroBatch, gather_logprobs
@@ -74,6 +75,33 @@ LOSS_METRIC_MEANS = [
 MAX_KEYS = ["is_weight_max", "ratio_max"]
 
 
+def forward_logits(model: nn.Module, mb: MicroBatch) -> Tensor:
+    """Logits ``[b, L, V]`` in the micro-batch's per-sample layout.
+
+    A micro-batch with shared prompt rows runs the rows (each prompt once) through a model loaded with the
+    shared-prompt attention (:mod:`learner.attention`) and gathers the logits back per sample.
+    """
+    if mb.shared is None:
+        return model(
+            input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
+        ).logits
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation != SHARED_PROMPT_ATTENTION:
+        raise ValueError(
+            f"micro-batch has shared prompt rows but the model's attention is {implementation!r}; "
+            f"load it with attn_implementation={SHARED_PROMPT_ATTENTION!r} or set learner.share_prompts=false"
+        )
+    rows = mb.shared
+    logits = model(
+        input_ids=rows.input_ids,
+        position_ids=rows.position_ids,
+        prompt_source=rows.source,
+        prompt_target=rows.target,
+        prompt_buckets=rows.buckets,
+    ).logits
+    return logits.flatten(0, 1)[rows.source]
+
+
 def micro_batch_forward(
     model: nn.Module,
     mb: MicroBatch,
@@ -85,9 +113,7 @@ def micro_batch_forward(
     sums: MetricSums,
 ) -> Tensor:
     """Forward + backward of one micro-batch; returns the (detached) loss contribution."""
-    logits = model(
-        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
-    ).logits
+    logits = forward_logits(model, mb)
     logp = gather_logprobs(logits, mb.input_ids, temperature[:, None, None])  # per-row temperature
     mask = mb.loss_mask
     loss, metrics = compute_policy_loss(

@@ -29,11 +29,12 @@ from broker.metrics import MetricsWriter
 from broker.record import TrajectoryGroup
 from broker.staleness import RedisCounters, StalenessManager, staleness_stats
 from broker.version import PolicyVersion
+from learner.attention import register_shared_prompt_attention
 from learner.checkpoint import CheckpointManager, CheckpointMeta, LedgerEntry, export_hf
 from learner.config import LearnerConfig
 from learner.distributed import DistInfo, shard_model
 from learner.intake import Intake, NotReady, StepBatch, group_advantages, run_coroutine
-from learner.packing import MicroBatch, TrainSequence, plan_step, rank_micro_batches, step_loss_units
+from learner.packing import MicroBatch, TrainSequence, plan_rows, rank_micro_batches, step_loss_units
 from learner.step import train_step
 
 log = logging.getLogger("streamrl.learner")
@@ -151,7 +152,11 @@ class Learner:
         if self.shared.model_path is None:
             raise ValueError("shared.model_path is not set: the learner needs a Hugging Face model directory")
         torch.manual_seed(self.config.seed)
-        model = AutoModelForCausalLM.from_pretrained(self.shared.model_path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            self.shared.model_path,
+            dtype=torch.float32,
+            attn_implementation=register_shared_prompt_attention(),
+        )
         model.to(self.info.device)
         model = shard_model(model, self.info.device, self.config.activation_checkpointing)
         optimizer = torch.optim.AdamW(
@@ -289,7 +294,9 @@ class Learner:
 
     def _payloads(self, batch: StepBatch) -> list[StepPayload]:
         seqs, temps = build_sequences(batch.groups, self.config)
-        plan = plan_step([s.length for s in seqs], self.info.world_size, self.config.micro_batch_tokens)
+        rows, plan = plan_rows(
+            seqs, self.info.world_size, self.config.micro_batch_tokens, self.config.share_prompts
+        )
         normaliser = float(max(1, step_loss_units(seqs, self.config.loss.aggregation)))
         due = self.step + 1
         checkpoint = due % self.config.checkpoint_every == 0 or (
@@ -297,7 +304,7 @@ class Learner:
         )
         payloads = []
         for rank in range(self.info.world_size):
-            mbs = rank_micro_batches(seqs, plan, rank)
+            mbs = rank_micro_batches(seqs, plan, rank, rows=rows)
             rank_temps = [
                 torch.tensor([temps[i] if i >= 0 else 1.0 for i in mb.seq_index.tolist()]) for mb in mbs
             ]

@@ -6,23 +6,26 @@ from __future__ import annotations
 import torch
 
 from learner.config import LearnerConfig
-from learner.packing import MicroBatch, TrainSequence, plan_step, rank_micro_batches, step_loss_units
+from learner.packing import MicroBatch, TrainSequence, plan_rows, rank_micro_batches, step_loss_units
 
 
 def make_sequences(
-    n: int, seed: int = 0, vocab: int = 101, min_out: int = 4, max_out: int = 40
+    n: int, seed: int = 0, vocab: int = 101, min_out: int = 4, max_out: int = 40, group_size: int = 1
 ) -> tuple[list[TrainSequence], list[float]]:
     """``n`` sequences of random lengths with behaviour log-probs near the tiny model's (about -log V), mixed
-    temperatures, advantages of both signs and some loss-masked tokens; returns (sequences, temperatures)."""
+    temperatures, advantages of both signs and some loss-masked tokens; each run of ``group_size``
+    consecutive sequences shares one prompt (a GRPO group). Returns (sequences, temperatures)."""
     gen = torch.Generator().manual_seed(seed)
     seqs, temps = [], []
+    prompt = torch.zeros(0, dtype=torch.long)
     for i in range(n):
-        p = int(torch.randint(2, 7, (1,), generator=gen))
+        if i % group_size == 0:
+            prompt = torch.randint(1, vocab, (int(torch.randint(2, 7, (1,), generator=gen)),), generator=gen)
         o = int(torch.randint(min_out, max_out + 1, (1,), generator=gen))
         mask = (torch.rand(o, generator=gen) > 0.1).float()
         seqs.append(
             TrainSequence(
-                prompt_ids=torch.randint(1, vocab, (p,), generator=gen),
+                prompt_ids=prompt,
                 output_ids=torch.randint(1, vocab, (o,), generator=gen),
                 logprobs=-4.6 + 0.3 * torch.randn(o, generator=gen),
                 versions=torch.zeros(o, dtype=torch.long),
@@ -39,8 +42,8 @@ def rank_inputs(
     seqs: list[TrainSequence], temps: list[float], config: LearnerConfig, world_size: int, rank: int
 ) -> tuple[list[MicroBatch], list[torch.Tensor], float]:
     """This rank's micro-batches, per-row temperatures and the step's global normaliser (as the trainer does)."""
-    plan = plan_step([s.length for s in seqs], world_size, config.micro_batch_tokens)
-    mbs = rank_micro_batches(seqs, plan, rank)
+    rows, plan = plan_rows(seqs, world_size, config.micro_batch_tokens, config.share_prompts)
+    mbs = rank_micro_batches(seqs, plan, rank, rows=rows)
     rank_temps = [torch.tensor([temps[i] if i >= 0 else 1.0 for i in mb.seq_index.tolist()]) for mb in mbs]
     normaliser = float(max(1, step_loss_units(seqs, config.loss.aggregation)))
     return mbs, rank_temps, normaliser

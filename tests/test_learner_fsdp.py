@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from learner.attention import register_shared_prompt_attention
 from learner.checkpoint import CheckpointManager, CheckpointMeta
 from learner.config import LearnerConfig, LossConfig
 from learner.distributed import free_port, full_parameters, init_distributed, shard_model
@@ -24,8 +25,9 @@ from tests.learner_batch import make_sequences, rank_inputs
 
 pytestmark = pytest.mark.timeout(120)
 
-# (policy loss, aggregation) of each step; each step trains a different batch on the previous step's weights.
-STEPS = [("decoupled_ppo", "token-mean"), ("gspo", "seq-mean"), ("tis", "seq-mean-token-sum")]
+# (policy loss, aggregation, samples per prompt) of each step; each step trains a different batch on the
+# previous step's weights. Samples sharing a prompt run as shared rows (the prompt once per row).
+STEPS = [("decoupled_ppo", "token-mean", 1), ("gspo", "seq-mean", 4), ("tis", "seq-mean-token-sum", 3)]
 LR, MOMENTUM = 0.1, 0.9
 
 
@@ -38,13 +40,24 @@ def _config(loss: str, aggregation: str) -> LearnerConfig:
 
 def _run_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, world: int, rank: int) -> list[dict]:
     out = []
-    for k, (loss, agg) in enumerate(STEPS):
+    for k, (loss, agg, group_size) in enumerate(STEPS):
         config = _config(loss, agg)
-        seqs, temps = make_sequences(12, seed=k)
+        seqs, temps = make_sequences(12, seed=k, group_size=group_size)
         mbs, mb_temps, normaliser = rank_inputs(seqs, temps, config, world, rank)
         result = train_step(model, opt, mbs, mb_temps, config, normaliser, learner_version=0)
-        out.append({"applied": result.applied, "loss": result.metrics["loss"], "mbs": len(mbs)})
+        shared = sum(m.shared is not None for m in mbs)
+        out.append(
+            {"applied": result.applied, "loss": result.metrics["loss"], "mbs": len(mbs), "shared": shared}
+        )
     return out
+
+
+def _load(model_dir: str | Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=register_shared_prompt_attention()
+    )
 
 
 def _rng_draw() -> list[float]:
@@ -66,10 +79,8 @@ def _nan_step(model: torch.nn.Module, opt: torch.optim.Optimizer, world: int, ra
 
 def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from transformers import AutoModelForCausalLM
-
     info = init_distributed(timeout_s=60, threads=1)
-    model = shard_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), info.device)
+    model = shard_model(_load(model_dir), info.device)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     steps = _run_steps(model, opt, world, rank)
     trained = dict(full_parameters(model))
@@ -102,10 +113,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
 
 def _reference(model_dir: Path) -> tuple[list[dict], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The same steps in this process: no process group, no FSDP, every micro-batch of the whole batch."""
-    from transformers import AutoModelForCausalLM
-
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = _load(model_dir)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     steps = _run_steps(model, opt, world=1, rank=0)
@@ -123,6 +132,7 @@ def test_fsdp_two_ranks_match_single_process_and_restore_rng(tmp_path: Path) -> 
     for k, ref in enumerate(ref_steps):
         assert ref["applied"] and all(r["steps"][k]["applied"] for r in ranks)
         assert all(r["steps"][k]["mbs"] < ref["mbs"] for r in ranks), k
+        assert (ref["shared"] > 0) == (STEPS[k][2] > 1), k  # grouped samples ran as shared rows
         for r in ranks:
             assert r["steps"][k]["loss"] == pytest.approx(ref["loss"], abs=1e-6), k
     moved = max(float((ref_params[n] - initial[n]).abs().max()) for n in initial)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from learner.attention import register_shared_prompt_attention
 from learner.config import LearnerConfig, LossConfig
 from learner.packing import TrainSequence
 from learner.step import train_step
@@ -31,14 +32,23 @@ def _unpadded_logp(model: torch.nn.Module, s: TrainSequence, temperature: float)
     return logp[len(s.prompt_ids) - 1 :]
 
 
-@pytest.mark.parametrize("policy_loss", ["decoupled_ppo", "ppo", "tis"])
-def test_padded_step_update_equals_hand_grpo_gradient(tmp_path: Path, policy_loss: str) -> None:
+@pytest.mark.parametrize(
+    "policy_loss,group_size", [("decoupled_ppo", 1), ("ppo", 1), ("tis", 1), ("decoupled_ppo", 4)]
+)
+def test_padded_step_update_equals_hand_grpo_gradient(
+    tmp_path: Path, policy_loss: str, group_size: int
+) -> None:
+    """group_size 4: samples share prompts, so the step runs shared rows (each prompt once)."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(init_tiny_model(tmp_path / "m"), dtype=torch.float32)
-    raw, temps = make_sequences(10, seed=3)
+    model = AutoModelForCausalLM.from_pretrained(
+        init_tiny_model(tmp_path / "m"),
+        dtype=torch.float32,
+        attn_implementation=register_shared_prompt_attention(),
+    )
+    raw, temps = make_sequences(10, seed=3, group_size=group_size)
     with torch.no_grad():  # on-policy: the behaviour log-probs are the model's own
         seqs = [
             TrainSequence(s.prompt_ids, s.output_ids, _unpadded_logp(model, s, t), s.versions,
@@ -50,6 +60,10 @@ def test_padded_step_update_equals_hand_grpo_gradient(tmp_path: Path, policy_los
     )
     mbs, mb_temps, normaliser = rank_inputs(seqs, temps, config, 1, 0)
     assert len(mbs) > 1 and any(int(m.attention_mask.sum()) < m.attention_mask.numel() for m in mbs)
+    shared = [m for m in mbs if m.shared is not None]
+    assert bool(shared) == (group_size > 1)
+    if group_size > 1:  # each shared row holds its prompt once
+        assert sum(m.num_tokens for m in mbs) < sum(s.length for s in seqs)
 
     # by hand: per sequence, unpadded, REINFORCE with the token-mean normaliser
     model.zero_grad()

@@ -3,6 +3,7 @@ and leaves the model able to train the next step. Single process, real model, re
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,7 @@ def _assert_skipped_then_trains(model, opt, config, mbs, mb_temps, normaliser, r
         assert torch.equal(tensor, before["params"][name]), name
     assert opt.state == {}  # AdamW never stepped: no moments, no step count
     assert all(p.grad is None for p in model.parameters())  # the bad gradient is not carried over
-    clean = [mb.__class__(**{k: v.clone() for k, v in vars(mb).items()}) for mb in before["clean"]]
+    clean = [copy.deepcopy(mb) for mb in before["clean"]]
     ok = train_step(model, opt, clean, mb_temps, config, normaliser, learner_version=0)
     assert ok.applied and torch.isfinite(torch.tensor(ok.metrics["loss"]))
     assert any(not torch.equal(p.detach(), before["params"][n]) for n, p in model.named_parameters())
@@ -52,7 +53,7 @@ def _assert_skipped_then_trains(model, opt, config, mbs, mb_temps, normaliser, r
 
 def test_nan_advantage_skips_the_step(model_dir: Path) -> None:
     model, opt, config, mbs, mb_temps, normaliser = _setup(model_dir)
-    clean = [mb.__class__(**{k: v.clone() for k, v in vars(mb).items()}) for mb in mbs]
+    clean = [copy.deepcopy(mb) for mb in mbs]
     params = _snapshot(model)
     row, col = (mbs[0].loss_mask > 0).nonzero()[0].tolist()
     mbs[0].advantages[row, col] = float("nan")  # past the intake's validation, as a tensor
@@ -65,7 +66,7 @@ def test_nan_advantage_skips_the_step(model_dir: Path) -> None:
 
 def test_infinite_gradient_with_finite_loss_skips_the_step(model_dir: Path) -> None:
     model, opt, config, mbs, mb_temps, normaliser = _setup(model_dir)
-    clean = [mb.__class__(**{k: v.clone() for k, v in vars(mb).items()}) for mb in mbs]
+    clean = [copy.deepcopy(mb) for mb in mbs]
     params = _snapshot(model)
     # the one fault that cannot be produced for real on demand: a gradient overflow in a finite loss
     weight = model.model.layers[0].mlp.down_proj.weight
