@@ -94,6 +94,18 @@ def build_generate_request(
     }
 
 
+def build_group_request(
+    input_ids: Sequence[int], sampling: SamplingConfig, max_new_tokens: int, rids: Sequence[str]
+) -> dict[str, Any]:
+    """The JSON body of a group's first ``/generate``: the prompt once per sample as a batch (``input_ids``
+    a list of lists, one rid each), so the answer is an array in the same order. One HTTP call instead of
+    one per sample; the engine still generates every sample as its own request."""
+    if not rids or len(set(rids)) != len(rids):
+        raise ValueError(f"rids {list(rids)!r} must be non-empty and distinct (SGLang rejects duplicates)")
+    one = build_generate_request(input_ids, sampling, max_new_tokens, rids[0])
+    return {**one, "input_ids": [one["input_ids"]] * len(rids), "rid": list(rids)}
+
+
 @dataclass(frozen=True)
 class GenerateResult:
     """One answer of ``/generate``, reduced to what a trajectory needs. Lists have one entry per output token."""
@@ -285,6 +297,23 @@ class EngineClient:
         except json.JSONDecodeError as exc:
             raise InvalidResponse(f"POST {self.url}/generate: answer is not JSON ({exc})") from exc
         return parse_generate_response(body, payload.get("rid"))
+
+    async def generate_batch(self, payload: Mapping[str, Any]) -> list[GenerateResult]:
+        """POST /generate with a batch (``build_group_request``); returns one parsed answer per rid, in order."""
+        status, text = await self._call("POST", "/generate", payload, self.request_timeout)
+        if status >= 500:
+            raise EngineUnavailable(f"POST {self.url}/generate: HTTP {status}: {error_message(status, text)}")
+        if status >= 400:
+            raise RequestRejected(status, error_message(status, text))
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidResponse(f"POST {self.url}/generate: answer is not JSON ({exc})") from exc
+        rids = list(payload["rid"])
+        if not isinstance(body, list) or len(body) != len(rids):
+            got = f"{len(body)} answers" if isinstance(body, list) else type(body).__name__
+            raise InvalidResponse(f"batch of {len(rids)} prompts answered with {got}")
+        return [parse_generate_response(item, rid) for item, rid in zip(body, rids, strict=True)]
 
     async def control(self, method: str, path: str, body: Any = None) -> Any:
         """A control or info call; returns the decoded JSON body (None when empty)."""

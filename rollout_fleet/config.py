@@ -136,6 +136,11 @@ class RolloutConfig(Section):
     request_timeout_s: float = Field(
         3600.0, gt=0, description="Timeout of one /generate call (long outputs take long), seconds."
     )
+    batch_group_requests: bool = Field(
+        True,
+        description="Send a group's first requests as one batched /generate (one HTTP call per group, not per "
+        "sample); later requests of a sample (after an abort) go alone.",
+    )
     max_request_failures: int = Field(
         5,
         ge=0,

@@ -5,8 +5,12 @@ One asyncio loop (uvloop in production) keeps up to ``rollout.max_concurrent_gro
 each group:
 
 1. The prompt text is tokenised once (``add_special_tokens=False``; a chat template's markers are in the text).
-2. ``group_size`` separate ``/generate`` requests (never ``n > 1``: SGLang's fan-out loses request ids), each
-   with ``rid = f"{group_id}:s{i}:r{k}"`` for the k-th request of sample i, routed by :class:`Router`.
+2. ``group_size`` engine requests (never ``n > 1``: SGLang's fan-out loses request ids), each with
+   ``rid = f"{group_id}:s{i}:r{k}"`` for the k-th request of sample i, routed by :class:`Router`. With
+   ``rollout.batch_group_requests`` (default) the first request of every sample goes in one batched
+   ``/generate`` (the prompt once per sample, a rid each), which costs the engine and this worker one HTTP
+   call per group instead of one per sample; every later request of a sample (after an abort or a failed
+   engine) goes alone, and a batch that fails falls back to one request per sample.
 3. Output ids and behaviour log-probs come from ``meta_info.output_token_logprobs``, one policy version per
    token from the ``weight_versions`` spans (:mod:`rollout_fleet.client`). Decoded text is made only for the
    verifier.
@@ -48,10 +52,12 @@ from broker.staleness import StalenessManager
 from broker.version import PolicyVersion
 from rollout_fleet.client import (
     EngineUnavailable,
+    GenerateResult,
     InvalidResponse,
     RequestRejected,
     SamplingConfig,
     build_generate_request,
+    build_group_request,
 )
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.dispatch import Lease, PromptDispatcher
@@ -130,7 +136,9 @@ class WorkerStats:
     leases_lost: int = 0
     samples: int = 0
     tokens: int = 0
-    requests: int = 0
+    requests: int = 0  # engine requests (a batched /generate of n prompts counts n)
+    batch_requests: int = 0  # batched /generate calls (one per group with batch_group_requests)
+    batch_fallbacks: int = 0  # batches that failed, their samples then sent one by one
     resubmits: int = 0
     zero_token_aborts: int = 0
     engine_failures: int = 0
@@ -392,8 +400,10 @@ class RolloutWorker:
             raise GroupAbandoned("bad_prompt", DROP, f"{type(exc).__name__}: {exc}") from exc
         if not prompt_ids:
             raise GroupAbandoned("bad_prompt", DROP, f"prompt {prompt.prompt_id!r} tokenises to nothing")
+        n = self.config.group_size
+        first = await self._first_requests(group_id, prompt_ids) if self.config.batch_group_requests else None
         results: list[_SampleResult] = await _all_or_nothing(
-            [self._sample(group_id, i, prompt_ids, prompt) for i in range(self.config.group_size)]
+            [self._sample(group_id, i, prompt_ids, prompt, first[i] if first else None) for i in range(n)]
         )
         return TrajectoryGroup(
             run_id=self.shared.run_id,
@@ -410,24 +420,78 @@ class RolloutWorker:
             group_id=group_id,
         )
 
+    async def _first_requests(self, group_id: str, prompt_ids: list[int]) -> list[_Answer] | None:
+        """Every sample's first request in one batched ``/generate``; None when the batch failed and each
+        sample should start on its own (a failed engine is taken out of routing as for a single request)."""
+        n = self.config.group_size
+        rids = [f"{group_id}:s{i}:r0" for i in range(n)]
+        payload = build_group_request(prompt_ids, self.sampling, self.config.max_new_tokens, rids)
+        try:
+            handle = await self.router.acquire()
+        except NoEngineAvailable as exc:
+            raise GroupAbandoned("no_engine", HAND_BACK, str(exc)) from exc
+        self.stats.requests += n
+        self.stats.batch_requests += 1
+        try:
+            results = await handle.client.generate_batch(payload)
+            for result in results:
+                if len(result.output_ids) > self.config.max_new_tokens:
+                    raise InvalidResponse(
+                        f"{len(result.output_ids)} tokens for max_new_tokens = {self.config.max_new_tokens}"
+                    )
+        except EngineUnavailable as exc:
+            self.router.mark_failed(handle, str(exc))
+            self.stats.engine_failures += 1
+            self.stats.batch_fallbacks += 1
+            return None
+        except InvalidResponse as exc:
+            self.stats.invalid_responses += 1
+            self.stats.batch_fallbacks += 1
+            log.warning("invalid answer from %s to the batch of %s: %s", handle.engine_id, group_id, exc)
+            return None
+        except RequestRejected as exc:
+            self.stats.rejected_requests += 1
+            raise GroupAbandoned("bad_request", DROP, f"{handle.engine_id}: {exc}") from exc
+        except asyncio.CancelledError:
+            for rid in rids:
+                self.router.abort_later(handle, rid)
+            raise
+        finally:
+            self.router.release(handle)
+        return [_Answer(result, handle.engine_id) for result in results]
+
     async def _sample(
-        self, group_id: str, index: int, prompt_ids: list[int], prompt: Prompt
+        self, group_id: str, index: int, prompt_ids: list[int], prompt: Prompt, first: _Answer | None = None
     ) -> _SampleResult:
-        generated = await self._generate(group_id, index, prompt_ids)
+        generated = await self._generate(group_id, index, prompt_ids, first)
         text = self.tokenizer.decode(generated.tokens, skip_special_tokens=False)
         started = time.monotonic()
         reward = await self.rewards.score(self.scorer, prompt, text, self.scorer_options)
         generated.timings["reward_s"] = time.monotonic() - started
         return _SampleResult(self._build_sample(index, generated, reward), text)
 
-    async def _generate(self, group_id: str, index: int, prompt_ids: list[int]) -> _Generated:
-        """Requests until the sample finishes (stop or length), resubmitting interrupted partials."""
+    async def _generate(
+        self, group_id: str, index: int, prompt_ids: list[int], first: _Answer | None = None
+    ) -> _Generated:
+        """Requests until the sample finishes (stop or length), resubmitting interrupted partials; ``first``
+        is the answer to the sample's first request when the group's batch already made it."""
         out = _Generated()
         budget_total = self.config.max_new_tokens
         prefer: str | None = None
         failures = zero_aborts = requests = 0
         started = time.monotonic()
-        while True:
+        if first is not None:
+            requests = 1
+            out.append(first.result.output_ids, first.result.logprobs, first.result.versions)
+            out.engine_id = first.engine_id
+            if not first.result.aborted:
+                out.finish = first.result.finish_reason
+            else:
+                prefer = first.engine_id
+                if not first.result.output_ids:
+                    zero_aborts += 1
+                    self.stats.zero_token_aborts += 1
+        while out.finish == "abort":  # not finished yet: (re)submit
             budget = budget_total - len(out.tokens)
             if budget <= 0:  # an abort arrived exactly at the budget: the sample is complete, cut at length
                 out.finish = "length"
@@ -561,6 +625,14 @@ class RolloutWorker:
             values["admission_capacity"] = float(await self.admission.capacity())
         values.update(self.router.stats())
         await self.metrics.write(values)
+
+
+@dataclass
+class _Answer:
+    """One engine answer to a sample's request, and the engine that gave it."""
+
+    result: GenerateResult
+    engine_id: str
 
 
 @dataclass

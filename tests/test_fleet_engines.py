@@ -93,6 +93,9 @@ async def test_a_killed_engine_is_routed_around_and_restarted_and_no_group_is_lo
             fleet.kill(0)
             stats = await asyncio.wait_for(run, 120)
         assert stats.finished and stats.engine_failures >= 1 and victim.failures >= 1
+        # every first request goes in a group's batch: the kill failed at least one, whose samples then
+        # went one by one to the other engine
+        assert stats.batch_requests >= PROMPTS and stats.batch_fallbacks >= 1
 
         # The fleet relaunched engine 0 and the registry says so.
         for _ in range(600):

@@ -11,6 +11,7 @@ from rollout_fleet.client import (
     RequestRejected,
     SamplingConfig,
     build_generate_request,
+    build_group_request,
     error_message,
     parse_generate_response,
     parse_version,
@@ -71,6 +72,19 @@ def test_the_request_is_one_input_ids_prompt_with_output_logprobs_and_known_samp
         build_generate_request([1], sampling, 0, "r")
     with pytest.raises(ValueError, match="rid"):
         build_generate_request([1], sampling, 1, "")
+
+
+def test_a_group_request_is_a_batch_of_the_prompt_with_one_rid_per_sample() -> None:
+    sampling = SamplingConfig(temperature=0.7)
+    body = build_group_request([3, 4], sampling, 16, ["g:s0:r0", "g:s1:r0", "g:s2:r0"])
+    single = build_generate_request([3, 4], sampling, 16, "g:s0:r0")
+    # sglang-api.md 2.6: a list of lists of input_ids answers with an array in the same order, a rid each
+    assert body == {**single, "input_ids": [[3, 4]] * 3, "rid": ["g:s0:r0", "g:s1:r0", "g:s2:r0"]}
+    assert "n" not in body["sampling_params"]
+    with pytest.raises(ValueError, match="distinct"):
+        build_group_request([3], sampling, 16, ["a", "a"])
+    with pytest.raises(ValueError, match="non-empty"):
+        build_group_request([3], sampling, 16, [])
 
 
 def test_a_finished_answer_gives_ids_logprobs_and_per_token_versions() -> None:

@@ -177,13 +177,16 @@ def hf(model_dir: Path) -> torch.nn.Module:
 # -- tests ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("batch", [True, False])
 async def test_a_worker_with_two_engines_writes_one_valid_record_per_prompt(
-    redis_url: str, model_dir: Path, two_engines: list[ServerThread], hf: torch.nn.Module
+    redis_url: str, model_dir: Path, two_engines: list[ServerThread], hf: torch.nn.Module, batch: bool
 ) -> None:
+    """batch: each group's first requests go in one batched /generate (the default), else one per sample."""
     urls = [srv.url for srv in two_engines]
-    shared, engine, rollout = configs(model_dir, urls, group_size=3)
+    shared, engine, rollout = configs(model_dir, urls, group_size=3, batch_group_requests=batch)
     stats = await run_worker(redis_url, shared, engine, rollout)
     assert stats.finished and stats.groups_produced == 6
+    assert (stats.requests, stats.batch_requests, stats.batch_fallbacks) == (18, 6 if batch else 0, 0)
 
     groups = await read_records(redis_url, shared)
     assert sorted(g.group_id for g in groups) == sorted(make_group_id("run", 0, i, 0) for i in range(6))
