@@ -411,6 +411,40 @@ async def test_requests_join_a_running_batch_without_prefill_recompute(srv: Serv
     )
 
 
+async def test_identical_prompts_admitted_together_are_prefilled_once(srv: ServerThread, hf, http) -> None:
+    """A group's samples arrive with one prompt: one prefill of it, its KV copied, every sample still exact."""
+    sched = srv.engine.scheduler
+    p, q = prompt_ids(12, 21), prompt_ids(7, 22)
+    hold = {"input_ids": prompt_ids(5, 23), "rid": "dup-hold",
+            "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}}  # fmt: skip
+    gate = StepGate(srv, decoding(srv, "dup-hold", 3))
+    held = asyncio.create_task(generate(http, srv, hold))
+    await gate.reached()
+    before = sched.stats.prefill_tokens_computed
+    params = {"max_new_tokens": 10, "ignore_eos": True, "temperature": 1.0}
+    group = {"input_ids": [p, p, q, p], "rid": ["dup-0", "dup-1", "dup-2", "dup-3"], "return_logprob": True,
+             "sampling_params": params}  # fmt: skip
+    with_inputs = {"input_ids": p, "rid": "dup-in", "return_logprob": True, "logprob_start_len": 0,
+                   "sampling_params": params}  # fmt: skip
+    tasks = [asyncio.create_task(generate(http, srv, b)) for b in (group, with_inputs)]
+    await gate.release_after_commands(2)
+    batch, single = await asyncio.gather(*tasks)
+    await held
+    rids = ("dup-0", "dup-1", "dup-2", "dup-3", "dup-in")
+    prefills = [r for r in sched.step_log if r.kind == "prefill" and set(rids) & set(r.rids)]
+    assert len(prefills) == 1 and set(prefills[0].rids) == set(rids)  # admitted together
+    assert sched.stats.prefill_tokens_computed - before == len(p) + len(q)  # p once for 4 requests
+    for res, prompt in zip([*batch, single], [p, p, q, p, p], strict=True):
+        ref = reference_logprobs(hf, prompt, res["output_ids"], 1.0)
+        assert torch.allclose(logprobs_of(res), ref, atol=1e-4), (logprobs_of(res) - ref).abs().max()
+    assert len({tuple(r["output_ids"]) for r in (batch[0], batch[1], batch[3], single)}) > 1  # own samples
+    inputs = single["meta_info"]["input_token_logprobs"]  # this copy wanted every position's logits
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([p])).logits[0, :-1], -1)
+    expected = lp.gather(1, torch.tensor(p[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([t[0] for t in inputs[1:]]), expected, atol=1e-4)
+
+
 # -- aborts ----------------------------------------------------------------------------------------------------
 
 

@@ -162,7 +162,31 @@ class ModelRunner:
         self, rows: Sequence[int], seqs: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]
     ) -> list[torch.Tensor]:
         """Run N sequences (right-padded into one batch), write their KV into ``rows``, and return float32
-        logits at the requested positions of each sequence: a list of N tensors [len(positions[i]), vocab]."""
+        logits at the requested positions of each sequence: a list of N tensors [len(positions[i]), vocab].
+
+        Identical sequences (the samples of a group arrive with the same prompt) are computed once and their
+        KV copied to the other rows: the results are the same, the prefill work is one prompt's."""
+        copies: dict[tuple[int, ...], list[int]] = {}
+        for i, seq in enumerate(seqs):
+            copies.setdefault(tuple(seq), []).append(i)
+        if len(copies) == len(seqs):
+            return self._prefill(rows, seqs, positions)
+        members = list(copies.values())
+        wanted = [sorted({p for i in m for p in positions[i]}) for m in members]
+        logits = self._prefill([rows[m[0]] for m in members], [seqs[m[0]] for m in members], wanted)
+        self.cache.reserve(max(rows) + 1, max(len(s) for s in seqs))
+        out: list[torch.Tensor] = [logits[0]] * len(seqs)
+        for m, pos, lg in zip(members, wanted, logits, strict=True):
+            where = {p: k for k, p in enumerate(pos)}
+            for i in m:
+                if i != m[0]:
+                    self.cache.move_row(rows[m[0]], rows[i], len(seqs[i]))
+                out[i] = lg[[where[p] for p in positions[i]]]
+        return out
+
+    def _prefill(
+        self, rows: Sequence[int], seqs: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor]:
         n, t = len(seqs), max(len(s) for s in seqs)
         self.cache.reserve(max(rows) + 1, t)
         ids = torch.zeros(n, t, dtype=torch.long, device=self.device)

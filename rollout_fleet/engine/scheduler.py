@@ -321,7 +321,7 @@ class Scheduler:
             self.running.append(req)
         self._batch = None
         self.stats.prefill_batches += 1
-        self.stats.prefill_tokens_computed += sum(len(s) for s in seqs)
+        self.stats.prefill_tokens_computed += sum(len(s) for s in {tuple(s) for s in seqs})  # copies once
         self._record("prefill", batch, sum(len(s) for s in seqs))
         # Requests that may not generate at all finish here; the rest sample their next token.
         sampling = [r for r in batch if r.item.max_new_tokens > len(r.output_ids)]
