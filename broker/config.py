@@ -24,7 +24,7 @@ class SharedConfig(Section):
         None,
         description="URL of an existing Redis (also read from REDIS_URL); unset starts the embedded server.",
     )
-    eta: int = Field(2, ge=0, description="Staleness bound in policy versions; 0 is synchronous on-policy.")
+    eta: int = Field(1, ge=0, description="Staleness bound in policy versions; 0 is synchronous on-policy.")
     model_path: Path | None = Field(None, description="Hugging Face model directory served and trained.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per process on CPU.")
     http_timeout_s: float = Field(
