@@ -61,6 +61,11 @@ def shared_prompt_attention(
         return sdpa(module, query, key, value, attention_mask, **kwargs)
     if prompt_target is None or prompt_buckets is None:
         raise ValueError("prompt_source needs prompt_target and prompt_buckets")
+    if kwargs.get("sliding_window"):
+        raise NotImplementedError(
+            f"shared prompt rows with sliding-window attention (window {kwargs['sliding_window']}): "
+            "set learner.share_prompts=false for this model"
+        )
     rows, heads, width, dim = query.shape
 
     def flat(x: Tensor) -> Tensor:  # [r, h, W, d] -> [r * W, h, d]

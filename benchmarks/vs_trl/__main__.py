@@ -28,8 +28,9 @@ from benchmarks.common import write_result
 from benchmarks.plot import figure, line_chart
 from benchmarks.vs_trl.streamrl_side import deployment, run_streamrl
 from benchmarks.vs_trl.trl_side import GRPORecipe
+from broker.config import SharedConfig
 
-DEFAULT_ETA = 2
+DEFAULT_ETA = SharedConfig().eta  # streamrl's default staleness bound
 
 
 def run_trl_subprocess(model_dir: Path, recipe: GRPORecipe, out: Path) -> dict[str, Any]:
