@@ -20,7 +20,7 @@ install: $(STAMP)
 
 # The main job on the embedded default: Redis, two built-in engines, a rollout worker, a 2-rank learner, the
 # evaluator and the dashboard, training the warm-started tiny model on the arithmetic task (eta = 1) for
-# 200 steps (about 7 minutes on 2 cores), then the final held-out evaluation and the summary. The roles are
+# 200 steps (about 5 minutes on 2 cores), then the final held-out evaluation and the summary. The roles are
 # daemons (learner.max_steps = 0 runs until stopped): `make run RUN_ARGS="--learner.max_steps=0"`.
 RUN_ARGS ?= --learner.max_steps=200
 run: $(STAMP)
