@@ -18,7 +18,9 @@ Layout of a :class:`MicroBatch` (``b`` rows, right-padded to the longest row ``L
 from the logits at position ``t - 1``; :func:`gather_logprobs` returns it at position ``t`` (position 0 gets
 0: nothing predicts the first token), so ``logp_new``, ``logp_behaviour``, ``advantages`` and ``loss_mask``
 line up index for index and go straight into :mod:`learner.losses`. Prompt tokens and padding have
-``loss_mask`` 0. An empty micro-batch is one dummy row of one attended pad token with ``loss_mask`` 0: the
+``loss_mask`` 0. With shared prompts (:func:`share_prompts`, :func:`plan_rows`) the plan is made over rows that
+hold a prompt once and the outputs of every sample that shares it; such a micro-batch keeps this per-sample
+layout for the loss and adds the row layout (:class:`SharedRows`) the forward runs on. An empty micro-batch is one dummy row of one attended pad token with ``loss_mask`` 0: the
 forward and backward run (and join the collectives) and contribute exactly zero loss and gradient.
 """
 
@@ -285,7 +287,10 @@ def _check_rows(seqs: Sequence[TrainSequence], rows: Sequence[Sequence[int]]) ->
 
 
 def _attention_buckets(lengths: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(start, end, length)`` ranges of samples (sorted longest first) padded together in attention."""
+    """``(start, end, length)`` ranges of samples (sorted longest first) padded together in attention.
+
+    ``plan_micro_batches`` orders by (length descending, index), which is already the order here, so each of
+    its micro-batches is a contiguous range."""
     return [(b[0], b[-1] + 1, lengths[b[0]]) for b in plan_micro_batches(lengths, ATTENTION_BUCKET_TOKENS)]
 
 
@@ -402,9 +407,10 @@ def rank_micro_batches(
     batches = []
     for mb in plan.ranks[rank]:
         members = [i for u in mb for i in rows[u]]
-        local: list[list[int]] = []
+        local: list[list[int]] = []  # the rows again, as positions in ``members``
         for u in mb:
-            local.append(list(range(sum(map(len, local)), sum(map(len, local)) + len(rows[u]))))
+            start = local[-1][-1] + 1 if local else 0
+            local.append(list(range(start, start + len(rows[u]))))
         batches.append(collate([seqs[i] for i in members], pad_id, local))
     return batches
 
