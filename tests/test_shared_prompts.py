@@ -161,3 +161,31 @@ def test_export_of_a_shared_attention_model_loads_anywhere(models: tuple, tmp_pa
     shared.save_pretrained(tmp_path / "out")
     assert SHARED_PROMPT_ATTENTION not in (tmp_path / "out" / "config.json").read_text()
     AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+
+
+def test_activation_checkpointing_keeps_the_shared_update(models: tuple) -> None:
+    """learner.activation_checkpointing recomputes layers in backward: the shared-row keywords must reach them."""
+    import copy
+
+    from learner.config import LearnerConfig
+    from learner.step import train_step
+    from tests.learner_batch import rank_inputs
+
+    _, shared = models
+    torch.set_num_threads(1)
+    plain, checkpointed = copy.deepcopy(shared), copy.deepcopy(shared)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plain.train()
+    checkpointed.train()
+    seqs, temps = make_sequences(16, seed=1, group_size=4)
+    config = LearnerConfig(world_size=1, micro_batch_tokens=128, max_grad_norm=1e9)
+    mbs, mb_temps, normaliser = rank_inputs(seqs, temps, config, 1, 0)
+    assert any(m.shared is not None for m in mbs)
+    for model in (plain, checkpointed):
+        train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), mbs, mb_temps, config, normaliser, 0)
+    moved = max(
+        float((p - q).abs().max()) for p, q in zip(plain.parameters(), shared.parameters(), strict=True)
+    )
+    assert moved > 1e-4
+    for p, q in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
