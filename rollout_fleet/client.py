@@ -285,30 +285,25 @@ class EngineClient:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise EngineUnavailable(f"{method} {self.url}{path}: {type(exc).__name__}: {exc}") from exc
 
-    async def generate(self, payload: Mapping[str, Any]) -> GenerateResult:
-        """POST /generate with one sample's request; returns the parsed answer."""
+    async def _post_generate(self, payload: Mapping[str, Any]) -> Any:
+        """POST /generate; the decoded JSON answer of an HTTP 2xx, else the error that classifies the failure."""
         status, text = await self._call("POST", "/generate", payload, self.request_timeout)
         if status >= 500:
             raise EngineUnavailable(f"POST {self.url}/generate: HTTP {status}: {error_message(status, text)}")
         if status >= 400:
             raise RequestRejected(status, error_message(status, text))
         try:
-            body = json.loads(text)
+            return json.loads(text)
         except json.JSONDecodeError as exc:
             raise InvalidResponse(f"POST {self.url}/generate: answer is not JSON ({exc})") from exc
-        return parse_generate_response(body, payload.get("rid"))
+
+    async def generate(self, payload: Mapping[str, Any]) -> GenerateResult:
+        """POST /generate with one sample's request; returns the parsed answer."""
+        return parse_generate_response(await self._post_generate(payload), payload.get("rid"))
 
     async def generate_batch(self, payload: Mapping[str, Any]) -> list[GenerateResult]:
         """POST /generate with a batch (``build_group_request``); returns one parsed answer per rid, in order."""
-        status, text = await self._call("POST", "/generate", payload, self.request_timeout)
-        if status >= 500:
-            raise EngineUnavailable(f"POST {self.url}/generate: HTTP {status}: {error_message(status, text)}")
-        if status >= 400:
-            raise RequestRejected(status, error_message(status, text))
-        try:
-            body = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InvalidResponse(f"POST {self.url}/generate: answer is not JSON ({exc})") from exc
+        body = await self._post_generate(payload)
         rids = list(payload["rid"])
         if not isinstance(body, list) or len(body) != len(rids):
             got = f"{len(body)} answers" if isinstance(body, list) else type(body).__name__
