@@ -478,19 +478,12 @@ class RolloutWorker:
         out = _Generated()
         budget_total = self.config.max_new_tokens
         prefer: str | None = None
-        failures = zero_aborts = requests = 0
+        failures = requests = 0
         started = time.monotonic()
         if first is not None:
             requests = 1
-            out.append(first.result.output_ids, first.result.logprobs, first.result.versions)
-            out.engine_id = first.engine_id
-            if not first.result.aborted:
-                out.finish = first.result.finish_reason
-            else:
+            if not self._take(out, first):
                 prefer = first.engine_id
-                if not first.result.output_ids:
-                    zero_aborts += 1
-                    self.stats.zero_token_aborts += 1
         while out.finish == "abort":  # not finished yet: (re)submit
             budget = budget_total - len(out.tokens)
             if budget <= 0:  # an abort arrived exactly at the budget: the sample is complete, cut at length
@@ -535,21 +528,28 @@ class RolloutWorker:
                 raise
             finally:
                 self.router.release(handle)
-            out.append(result.output_ids, result.logprobs, result.versions)
-            out.engine_id = handle.engine_id
-            if not result.aborted:
-                out.finish = result.finish_reason
+            if self._take(out, _Answer(result, handle.engine_id)):
                 break
             prefer = handle.engine_id  # back to the engine that has the prefix cached, while it is healthy
-            if not result.output_ids:
-                zero_aborts += 1
-                self.stats.zero_token_aborts += 1
-                if zero_aborts > MAX_ZERO_TOKEN_ABORTS:
-                    raise GroupAbandoned("aborted", HAND_BACK, f"{zero_aborts} aborts before any token")
         if not out.tokens:
             raise GroupAbandoned("empty_output", DROP, "the engine finished a sample with no output token")
         out.timings = {"generate_s": time.monotonic() - started, "requests": float(requests)}
         return out
+
+    def _take(self, out: _Generated, answer: _Answer) -> bool:
+        """Append an engine answer to the sample; True when it finished the sample. An abort before any token is
+        counted, and too many of them hand the group back."""
+        out.append(answer.result.output_ids, answer.result.logprobs, answer.result.versions)
+        out.engine_id = answer.engine_id
+        if not answer.result.aborted:
+            out.finish = answer.result.finish_reason
+            return True
+        if not answer.result.output_ids:
+            out.zero_aborts += 1
+            self.stats.zero_token_aborts += 1
+            if out.zero_aborts > MAX_ZERO_TOKEN_ABORTS:
+                raise GroupAbandoned("aborted", HAND_BACK, f"{out.zero_aborts} aborts before any token")
+        return False
 
     def _build_sample(self, index: int, gen: _Generated, reward: RewardResult) -> Sample:
         versions = np.asarray(gen.versions, dtype=np.int32)
@@ -645,6 +645,7 @@ class _Generated:
     finish: str = "abort"
     engine_id: str = ""
     resubmits: int = 0
+    zero_aborts: int = 0  # aborts that came back before any token
     timings: dict[str, float] = field(default_factory=dict)
 
     def append(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:

@@ -132,6 +132,7 @@ class ModelRunner:
             device=self.device,
         )
         self._build_rope_table()
+        self.prefill_tokens_computed = 0  # tokens run through the model by prefill (copies excepted)
 
     @torch.inference_mode()
     def _build_rope_table(self) -> None:
@@ -189,6 +190,7 @@ class ModelRunner:
     ) -> list[torch.Tensor]:
         n, t = len(seqs), max(len(s) for s in seqs)
         self.cache.reserve(max(rows) + 1, t)
+        self.prefill_tokens_computed += sum(len(s) for s in seqs)
         ids = torch.zeros(n, t, dtype=torch.long, device=self.device)
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)

@@ -312,7 +312,9 @@ class Scheduler:
         seqs = [r.item.input_ids + r.output_ids for r in batch]
         positions = [self._logit_positions(r, len(s)) for r, s in zip(batch, seqs, strict=True)]
         rows = list(range(len(self.running), len(self.running) + len(batch)))
+        computed = self.runner.prefill_tokens_computed
         logits = self.runner.prefill(rows, seqs, positions)
+        computed = self.runner.prefill_tokens_computed - computed
         for req, row, seq, lg in zip(batch, rows, seqs, logits, strict=True):
             if self._wants_input_logprobs(req, len(seq)):
                 req.input_logprobs = self._input_logprobs(req, seq, lg[:-1])
@@ -321,7 +323,7 @@ class Scheduler:
             self.running.append(req)
         self._batch = None
         self.stats.prefill_batches += 1
-        self.stats.prefill_tokens_computed += sum(len(s) for s in {tuple(s) for s in seqs})  # copies once
+        self.stats.prefill_tokens_computed += computed
         self._record("prefill", batch, sum(len(s) for s in seqs))
         # Requests that may not generate at all finish here; the rest sample their next token.
         sampling = [r for r in batch if r.item.max_new_tokens > len(r.output_ids)]
