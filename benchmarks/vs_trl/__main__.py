@@ -95,11 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         "--steps", type=int, default=None, help="optimizer steps per side (30 quick, 60 full)"
     )
     parser.add_argument("--eta", type=int, default=DEFAULT_ETA, help="streamrl's asynchronous eta")
-    parser.add_argument("--seeds", type=int, default=None, help="seeds per side (1 quick, 3 full)")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per side (1 quick, 5 full)")
     parser.add_argument("--out", type=Path, required=True, help="where to write the result JSON")
     args = parser.parse_args(argv)
     steps = args.steps or (30 if args.quick else 60)
-    seeds = args.seeds or (1 if args.quick else 3)
+    seeds = args.seeds or (1 if args.quick else 5)
     from rollout_fleet.warmstart import init_warm_model
 
     model_dir = Path(init_warm_model())

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.vs_trl.trl_side import Curve, GRPORecipe
+from benchmarks.vs_trl.trl_side import Curve, GRPORecipe, heldout_task
 
 
 def deployment(recipe: GRPORecipe) -> list[str]:
@@ -49,7 +49,8 @@ def baseline(model_dir: Path, heldout: int, max_new_tokens: int) -> dict[str, An
     """The starting model's held-out scores, once per invocation (the evaluation is seeded: every run's step 0)."""
     from rollout_fleet.evaluation import evaluate
 
-    return evaluate(model_dir, n=heldout, max_new_tokens=max_new_tokens)
+    task = heldout_task(GRPORecipe(heldout=heldout))
+    return evaluate(model_dir, task=task, n=heldout, max_new_tokens=max_new_tokens)
 
 
 def run_streamrl(model_dir: Path, recipe: GRPORecipe, eta: int, run_dir: Path) -> dict[str, Any]:
@@ -62,11 +63,11 @@ def run_streamrl(model_dir: Path, recipe: GRPORecipe, eta: int, run_dir: Path) -
     summary = json.loads((run_dir / "summary.json").read_text())
     # the clock starts at the run's first rollout request (the design brief's rule), recorded by the rollout worker
     started = summary.get("first_request_at") or summary["training_started_at"]
-    curve = Curve()
+    curve, task = Curve(), heldout_task(recipe)
     curve.add(0, 0, 0.0, baseline(model_dir, recipe.heldout, recipe.max_new_tokens))
     for snap in sorted((run_dir / "snapshots").glob("step-*")):
         info = json.loads((snap / "snapshot.json").read_text())
-        scores = evaluate(snap, n=recipe.heldout, max_new_tokens=recipe.max_new_tokens)
+        scores = evaluate(snap, task=task, n=recipe.heldout, max_new_tokens=recipe.max_new_tokens)
         curve.add(info["step"], info["step"] * recipe.prompts_per_step * recipe.group_size,
                   info["time"] - started, scores)  # fmt: skip
         print(f"streamrl eta={eta} step {info['step']}: held-out greedy {scores['greedy_accuracy']:.3f} "
