@@ -97,3 +97,48 @@ def test_mean_curve_averages_seeds_point_by_point() -> None:
         {"step": 0, "samples": 0, "wall_seconds": 0.0, "greedy": 0.4, "sampled": 0.2},
         {"step": 5, "samples": 320, "wall_seconds": 5.0, "greedy": 0.55, "sampled": 0.275},
     ]
+
+
+def _result_file(tmp_path: Path, name: str, seeds: list[int], trl: list, ours: list) -> Path:
+    """A vs_trl result written by ``summarise`` itself from hand-made per-seed curves."""
+    from benchmarks.vs_trl.__main__ import summarise
+
+    params = {"recipe": {"heldout": 100, "steps": 10}, "eta": 1, "seeds": seeds}
+    runs = {
+        "mode": "full",
+        "params": params,
+        "curves_per_seed": {"TRL": trl, "streamrl eta=0": ours, "streamrl eta=1": ours},
+        "streamrl_runs": {"0": [{"seed": s} for s in seeds], "1": [{"seed": s} for s in seeds]},
+    }
+    out = tmp_path / name
+    summarise(runs, out)
+    return out
+
+
+def test_summary_pools_seeds_from_result_files_and_recomputes_the_ratio(tmp_path: Path) -> None:
+    import json
+
+    from benchmarks.vs_trl.__main__ import main
+
+    trl = [curve((0, 0, 0.4), (5, 10, 0.5), (10, 20, 0.6))]
+    first = _result_file(tmp_path, "a.json", [0], trl, [curve((0, 0, 0.4), (5, 4, 0.6), (10, 8, 0.6))])
+    second = _result_file(tmp_path, "b.json", [1], trl, [curve((0, 0, 0.4), (5, 6, 0.4), (10, 12, 0.5))])
+    assert json.loads(first.read_text())["time_to_target_ratio"] == pytest.approx(20 / 4)
+    assert main(["--from-json", str(first), str(second), "--out", str(tmp_path / "pooled.json")]) == 0
+    doc = json.loads((tmp_path / "pooled.json").read_text())
+    # pooled: target = mean of TRL's last two = 0.55; streamrl's mean is 0.5 at 5 s and 0.55 at 10 s: 20 / 10
+    assert doc["params"]["seeds"] == [0, 1]
+    assert doc["target_reward"] == pytest.approx(0.55)
+    assert doc["time_to_target_ratio"] == pytest.approx(2.0)
+    assert doc["per_step_speed_ratio"] == pytest.approx(2.0)
+    assert len(doc["results"]["streamrl_runs"]["1"]) == 2
+    assert (tmp_path / "pooled.svg").exists()
+
+
+def test_pooling_refuses_a_seed_twice(tmp_path: Path) -> None:
+    from benchmarks.vs_trl.__main__ import main
+
+    trl = [curve((0, 0, 0.4), (5, 10, 0.5))]
+    a = _result_file(tmp_path, "a.json", [3], trl, [curve((0, 0, 0.4), (5, 4, 0.6))])
+    with pytest.raises(SystemExit, match="seed appears twice"):
+        main(["--from-json", str(a), str(a), "--out", str(tmp_path / "p.json")])

@@ -59,10 +59,14 @@ def first_reaching(curve: list[dict[str, float]], target: float) -> dict[str, fl
 
 def side_summary(curve: list[dict[str, float]], target: float) -> dict[str, Any]:
     hit = first_reaching(curve, target)
+    steps = curve[-1]["step"]
     return {
         "final_reward": curve[-1]["greedy"],
         "final_sampled": curve[-1]["sampled"],
         "wall_seconds": curve[-1]["wall_seconds"],
+        "seconds_per_step": curve[-1]["wall_seconds"] / steps if steps else None,
+        # the curve's mean over its evaluations after the start: how much it learned per step, whole run
+        "mean_reward_over_evaluations": sum(p["greedy"] for p in curve[1:]) / max(1, len(curve) - 1),
         "time_to_target": hit["wall_seconds"] if hit else None,
         "samples_to_target": hit["samples"] if hit else None,
     }
@@ -96,8 +100,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--eta", type=int, default=DEFAULT_ETA, help="streamrl's asynchronous eta")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per side (1 quick, 5 full)")
+    parser.add_argument(
+        "--first-seed", type=int, default=0, help="run seeds first-seed .. first-seed + seeds - 1"
+    )
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="run nothing: recompute the summary from these result files' per-seed curves (their seeds are "
+        "pooled; they must share the recipe, eta and mode)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="where to write the result JSON")
     args = parser.parse_args(argv)
+    if args.from_json:
+        runs = pooled_runs([json.loads(p.read_text()) for p in args.from_json])
+    else:
+        runs = run_all(args)
+    doc = summarise(runs, args.out)
+    print(f"time_to_target_ratio {doc['time_to_target_ratio']:.2f} (target {doc['target_reward']:.3f}); "
+          f"passed: {doc['passed']}")  # fmt: skip
+    return 0
+
+
+def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    """Every side for every seed; returns what :func:`summarise` takes."""
     steps = args.steps or (30 if args.quick else 60)
     seeds = args.seeds or (1 if args.quick else 5)
     from rollout_fleet.warmstart import init_warm_model
@@ -105,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(init_warm_model())
     per_seed: dict[str, list[list[dict[str, float]]]] = {}
     runs: dict[str, list[dict[str, Any]]] = {}
+    trl: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
-        for seed in range(seeds):
+        for seed in range(args.first_seed, args.first_seed + seeds):
             recipe = GRPORecipe(steps=steps, eval_every=5, seed=seed, shuffle_seed=seed)
             print(f"seed {seed}: TRL GRPOTrainer, {steps} steps ...", flush=True)
             trl = run_trl_subprocess(model_dir, recipe, Path(tmp) / f"trl{seed}.json")
@@ -116,10 +144,54 @@ def main(argv: list[str] | None = None) -> int:
                 run = run_streamrl(model_dir, recipe, eta, Path(tmp) / f"s{seed}-eta{eta}")
                 per_seed.setdefault(f"streamrl eta={eta}", []).append(run["curve"])
                 runs.setdefault(str(eta), []).append(run["summary"])
+    params = {
+        # what every run shares; seed s sets sampling, the learner and the prompt order of run s
+        "recipe": {k: v for k, v in trl["recipe"].items() if k not in ("seed", "shuffle_seed")},
+        "seeds": list(range(args.first_seed, args.first_seed + seeds)),
+        "model": str(model_dir),
+        "eta": args.eta,
+        "trl_config": trl["trl_config"],
+        "streamrl_deployment": deployment(recipe),
+    }
+    mode = "quick" if args.quick else "full"
+    return {"mode": mode, "params": params, "curves_per_seed": per_seed, "streamrl_runs": runs}
+
+
+def pooled_runs(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The per-seed curves of several result files as one set of runs (for more seeds than one sitting)."""
+    first = docs[0]
+    for doc in docs[1:]:
+        for key in ("recipe", "eta"):
+            if doc["params"][key] != first["params"][key]:
+                raise SystemExit(
+                    f"--from-json: {key} differs: {doc['params'][key]} vs {first['params'][key]}"
+                )
+    seeds = [s for doc in docs for s in _seed_list(doc["params"]["seeds"])]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--from-json: a seed appears twice among {seeds}")
+    per_seed: dict[str, list[Any]] = {}
+    runs: dict[str, list[Any]] = {}
+    for doc in docs:
+        for name, curves in doc["results"]["curves_per_seed"].items():
+            per_seed.setdefault(name, []).extend(curves)
+        for eta, summaries in doc["results"]["streamrl_runs"].items():
+            runs.setdefault(eta, []).extend(summaries)
+    params = {**first["params"], "seeds": seeds, "pooled_from": [d["git_sha"] for d in docs]}
+    return {"mode": first["mode"], "params": params, "curves_per_seed": per_seed, "streamrl_runs": runs}
+
+
+def _seed_list(seeds: int | list[int]) -> list[int]:
+    return list(range(seeds)) if isinstance(seeds, int) else list(seeds)
+
+
+def summarise(runs: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Mean curves over seeds, each side against TRL's final reward; writes the JSON and the plot."""
+    params, per_seed = runs["params"], runs["curves_per_seed"]
+    eta, n_seeds = params["eta"], len(_seed_list(params["seeds"]))
     curves = {name: mean_curve(cs) for name, cs in per_seed.items()}
     target = target_of(curves["TRL"])
     sides = {name: side_summary(c, target) for name, c in curves.items()}
-    ours = sides[f"streamrl eta={args.eta}"]
+    ours = sides[f"streamrl eta={eta}"]
     trl_side = sides["TRL"]
     ratio = trl_side["time_to_target"] / ours["time_to_target"] if ours["time_to_target"] else 0.0
     margin = ours["final_reward"] - trl_side["final_reward"]
@@ -128,28 +200,27 @@ def main(argv: list[str] | None = None) -> int:
         "target_reward": target,
         "trl_final_reward": trl_side["final_reward"],
         "streamrl_final_reward": ours["final_reward"],
-        "final_reward_margin_over_noise": margin + noise(trl_side["final_reward"], recipe.heldout * seeds),
+        "final_reward_margin_over_noise": margin
+        + noise(trl_side["final_reward"], params["recipe"]["heldout"] * n_seeds),
+        # context, not targets: TRL's seconds per step over streamrl's, and each curve's mean reward
+        "per_step_speed_ratio": trl_side["seconds_per_step"] / ours["seconds_per_step"],
     }
     doc = write_result(
-        args.out,
+        out,
         benchmark="vs_trl",
-        mode="quick" if args.quick else "full",
-        params={
-            # what every run shares; seed s sets sampling, the learner and the prompt order of run s
-            "recipe": {k: v for k, v in trl["recipe"].items() if k not in ("seed", "shuffle_seed")},
-            "seeds": seeds,
-            "model": str(model_dir),
-            "eta": args.eta,
-            "trl_config": trl["trl_config"],
-            "streamrl_deployment": deployment(recipe),
+        mode=runs["mode"],
+        params=params,
+        results={
+            "sides": sides,
+            "curves": curves,
+            "curves_per_seed": per_seed,
+            "streamrl_runs": runs["streamrl_runs"],
         },
-        results={"sides": sides, "curves": curves, "curves_per_seed": per_seed, "streamrl_runs": runs},
         targets={"time_to_target_ratio": (">=", 2.0), "final_reward_margin_over_noise": (">=", 0.0)},
         headline=headline,
     )
-    plot(args.out.with_suffix(".svg"), curves)
-    print(f"time_to_target_ratio {ratio:.2f} (target {target:.3f}); passed: {doc['passed']}")
-    return 0
+    plot(out.with_suffix(".svg"), curves)
+    return doc
 
 
 def mean_curve(curves: list[list[dict[str, float]]]) -> list[dict[str, float]]:
