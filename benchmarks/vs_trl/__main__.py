@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=None,
         help="run nothing: recompute the summary from these result files' per-seed curves (their seeds are "
-        "pooled; they must share the recipe, eta and mode)",
+        "pooled; they must share the recipe and eta)",
     )
     parser.add_argument("--out", type=Path, required=True, help="where to write the result JSON")
     args = parser.parse_args(argv)
@@ -202,7 +202,7 @@ def summarise(runs: dict[str, Any], out: Path) -> dict[str, Any]:
         "streamrl_final_reward": ours["final_reward"],
         "final_reward_margin_over_noise": margin
         + noise(trl_side["final_reward"], params["recipe"]["heldout"] * n_seeds),
-        # context, not targets: TRL's seconds per step over streamrl's, and each curve's mean reward
+        # context, not a target: TRL's seconds per step over streamrl's
         "per_step_speed_ratio": trl_side["seconds_per_step"] / ours["seconds_per_step"],
     }
     doc = write_result(
