@@ -40,6 +40,14 @@ def test_noise_is_two_standard_errors() -> None:
     assert noise(0.5, 100) == pytest.approx(0.1)
 
 
+def test_seed_noise_is_two_standard_errors_of_the_difference_of_means() -> None:
+    from benchmarks.vs_trl.__main__ import seed_noise
+
+    # variances 0.01 and 0.04 over 2 seeds each: 2 * sqrt(0.01 / 2 + 0.04 / 2) = 2 * sqrt(0.025)
+    assert seed_noise([0.5, 0.5 + 0.1 * 2**0.5], [0.3, 0.3 + 0.2 * 2**0.5]) == pytest.approx(2 * 0.025**0.5)
+    assert seed_noise([0.5], [0.4, 0.6]) is None
+
+
 def test_plot_is_valid_svg_with_one_line_per_series(tmp_path: Path) -> None:
     chart = line_chart({"a": [(0, 0.1), (5, 0.5)], "b": [(0, 0.2), (10, 0.3)]}, "t", "x", "y", (0, 1))
     root = ET.fromstring(figure([chart, chart]))
@@ -131,6 +139,7 @@ def test_summary_pools_seeds_from_result_files_and_recomputes_the_ratio(tmp_path
     assert doc["target_reward"] == pytest.approx(0.55)
     assert doc["time_to_target_ratio"] == pytest.approx(2.0)
     assert doc["per_step_speed_ratio"] == pytest.approx(2.0)
+    assert doc["final_reward_seed_noise"] == pytest.approx(0.1)  # finals 0.6, 0.6 and 0.6, 0.5
     assert len(doc["results"]["streamrl_runs"]["1"]) == 2
     assert (tmp_path / "pooled.svg").exists()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -75,6 +76,14 @@ def side_summary(curve: list[dict[str, float]], target: float) -> dict[str, Any]
 def noise(p: float, n: int) -> float:
     """Two standard errors of an accuracy p measured on n prompts."""
     return 2 * math.sqrt(max(p * (1 - p), 1e-6) / n)
+
+
+def seed_noise(finals_a: list[float], finals_b: list[float]) -> float | None:
+    """Two standard errors of the difference of two means of per-seed final rewards (training and evaluation
+    noise together); None with fewer than two seeds on a side."""
+    if min(len(finals_a), len(finals_b)) < 2:
+        return None
+    return 2 * math.sqrt(sum(statistics.variance(f) / len(f) for f in (finals_a, finals_b)))
 
 
 def plot(path: Path, curves: dict[str, list[dict[str, float]]]) -> None:
@@ -204,6 +213,11 @@ def summarise(runs: dict[str, Any], out: Path) -> dict[str, Any]:
         + noise(trl_side["final_reward"], params["recipe"]["heldout"] * n_seeds),
         # context, not a target: TRL's seconds per step over streamrl's
         "per_step_speed_ratio": trl_side["seconds_per_step"] / ours["seconds_per_step"],
+        # context, not a target: the final-reward difference's noise from the seed-to-seed spread
+        "final_reward_seed_noise": seed_noise(
+            [c[-1]["greedy"] for c in per_seed["TRL"]],
+            [c[-1]["greedy"] for c in per_seed[f"streamrl eta={eta}"]],
+        ),
     }
     doc = write_result(
         out,
