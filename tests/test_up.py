@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -66,7 +67,20 @@ def scrape_every_daemon(run_dir: Path, metrics_base: int) -> dict[str, dict]:
     }
     for i, url in enumerate(cfg["rollout"]["engine_urls"]):
         endpoints[f"engine-{i}"] = f"{url}/metrics"
-    return {name: scrape(url) for name, url in endpoints.items()}
+    return {name: scrape_once_listening(url) for name, url in endpoints.items()}
+
+
+def scrape_once_listening(url: str, wait_s: float = 60.0) -> dict:
+    """Scrape ``url``, waiting while nothing listens yet: the learner can reach step 3 before a daemon started
+    after it (the evaluator, the dashboard) has bound its metrics port on a slow machine."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return scrape(url)
+        except urllib.error.URLError as exc:
+            if not isinstance(exc.reason, ConnectionRefusedError) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def trained_group_ids(run_dir: Path) -> list[str]:
