@@ -107,11 +107,13 @@ def test_mean_curve_averages_seeds_point_by_point() -> None:
     ]
 
 
-def _result_file(tmp_path: Path, name: str, seeds: list[int], trl: list, ours: list) -> Path:
+def _result_file(
+    tmp_path: Path, name: str, seeds: list[int], trl: list, ours: list, model: str = "warm"
+) -> Path:
     """A vs_trl result written by ``summarise`` itself from hand-made per-seed curves."""
     from benchmarks.vs_trl.__main__ import summarise
 
-    params = {"recipe": {"heldout": 100, "steps": 10}, "eta": 1, "seeds": seeds}
+    params = {"recipe": {"heldout": 100, "steps": 10}, "eta": 1, "seeds": seeds, "model": model}
     runs = {
         "mode": "full",
         "params": params,
@@ -144,10 +146,27 @@ def test_summary_pools_seeds_from_result_files_and_recomputes_the_ratio(tmp_path
     assert (tmp_path / "pooled.svg").exists()
 
 
-def test_pooling_refuses_a_seed_twice(tmp_path: Path) -> None:
+def test_pooling_refuses_a_seed_twice_and_another_model(tmp_path: Path) -> None:
     from benchmarks.vs_trl.__main__ import main
 
     trl = [curve((0, 0, 0.4), (5, 10, 0.5))]
     a = _result_file(tmp_path, "a.json", [3], trl, [curve((0, 0, 0.4), (5, 4, 0.6))])
     with pytest.raises(SystemExit, match="seed appears twice"):
         main(["--from-json", str(a), str(a), "--out", str(tmp_path / "p.json")])
+    other = _result_file(tmp_path, "b.json", [4], trl, [curve((0, 0, 0.4), (5, 4, 0.6))], model="other")
+    with pytest.raises(SystemExit, match="model differs"):
+        main(["--from-json", str(a), str(other), "--out", str(tmp_path / "p.json")])
+
+
+def test_heldout_task_extends_the_default_test_split_and_leaves_training_alone() -> None:
+    from benchmarks.vs_trl.trl_side import heldout_task
+    from rollout_fleet.tasks import get_task
+
+    default, large = get_task("arithmetic"), heldout_task(1000)
+    assert large.num_prompts("test") == 1000 and default.num_prompts("test") == 200
+    assert [large.make_prompt(i, "test").text for i in range(200)] == [
+        default.make_prompt(i, "test").text for i in range(200)
+    ]
+    assert [large.make_prompt(i).text for i in range(0, 100_000, 4999)] == [
+        default.make_prompt(i).text for i in range(0, 100_000, 4999)
+    ]

@@ -66,7 +66,7 @@ def side_summary(curve: list[dict[str, float]], target: float) -> dict[str, Any]
         "final_sampled": curve[-1]["sampled"],
         "wall_seconds": curve[-1]["wall_seconds"],
         "seconds_per_step": curve[-1]["wall_seconds"] / steps if steps else None,
-        # the curve's mean over its evaluations after the start: how much it learned per step, whole run
+        # the curve's mean over its evaluations after the start: the whole run in one number
         "mean_reward_over_evaluations": sum(p["greedy"] for p in curve[1:]) / max(1, len(curve) - 1),
         "time_to_target": hit["wall_seconds"] if hit else None,
         "samples_to_target": hit["samples"] if hit else None,
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=None,
         help="run nothing: recompute the summary from these result files' per-seed curves (their seeds are "
-        "pooled; they must share the recipe and eta)",
+        "pooled; they must share the recipe, eta and model)",
     )
     parser.add_argument("--out", type=Path, required=True, help="where to write the result JSON")
     args = parser.parse_args(argv)
@@ -170,7 +170,7 @@ def pooled_runs(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """The per-seed curves of several result files as one set of runs (for more seeds than one sitting)."""
     first = docs[0]
     for doc in docs[1:]:
-        for key in ("recipe", "eta"):
+        for key in ("recipe", "eta", "model"):
             if doc["params"][key] != first["params"][key]:
                 raise SystemExit(
                     f"--from-json: {key} differs: {doc['params'][key]} vs {first['params'][key]}"

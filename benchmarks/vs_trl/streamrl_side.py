@@ -49,8 +49,7 @@ def baseline(model_dir: Path, heldout: int, max_new_tokens: int) -> dict[str, An
     """The starting model's held-out scores, once per invocation (the evaluation is seeded: every run's step 0)."""
     from rollout_fleet.evaluation import evaluate
 
-    task = heldout_task(GRPORecipe(heldout=heldout))
-    return evaluate(model_dir, task=task, n=heldout, max_new_tokens=max_new_tokens)
+    return evaluate(model_dir, task=heldout_task(heldout), n=heldout, max_new_tokens=max_new_tokens)
 
 
 def run_streamrl(model_dir: Path, recipe: GRPORecipe, eta: int, run_dir: Path) -> dict[str, Any]:
@@ -63,7 +62,7 @@ def run_streamrl(model_dir: Path, recipe: GRPORecipe, eta: int, run_dir: Path) -
     summary = json.loads((run_dir / "summary.json").read_text())
     # the clock starts at the run's first rollout request (the design brief's rule), recorded by the rollout worker
     started = summary.get("first_request_at") or summary["training_started_at"]
-    curve, task = Curve(), heldout_task(recipe)
+    curve, task = Curve(), heldout_task(recipe.heldout)
     curve.add(0, 0, 0.0, baseline(model_dir, recipe.heldout, recipe.max_new_tokens))
     for snap in sorted((run_dir / "snapshots").glob("step-*")):
         info = json.loads((snap / "snapshot.json").read_text())

@@ -56,12 +56,12 @@ class Curve:
         )
 
 
-def heldout_task(recipe: GRPORecipe) -> Any:
-    """The arithmetic task with ``recipe.heldout`` test prompts (its first 200 are the default task's; training
-    prompts do not depend on the held-out size)."""
+def heldout_task(size: int) -> Any:
+    """The arithmetic task with ``size`` test prompts (its first 200 are the default task's; training prompts do
+    not depend on the held-out size)."""
     from rollout_fleet.tasks import get_task
 
-    return get_task("arithmetic", heldout_size=recipe.heldout)
+    return get_task("arithmetic", heldout_size=size)
 
 
 def trl_dataset(recipe: GRPORecipe) -> Any:
@@ -120,7 +120,7 @@ def run_trl(model_dir: Path, recipe: GRPORecipe, work_dir: Path) -> dict[str, An
         dataloader_num_workers=0,
     )
     curve, clock = Curve(), TrainingClock()
-    heldout = heldout_task(recipe)
+    heldout = heldout_task(recipe.heldout)
 
     class HeldOut(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):  # noqa: ANN001, ANN003
