@@ -99,6 +99,12 @@ class LearnerConfig(Section):
         description="Run a prompt once per micro-batch row for all the samples that share it (a group), "
         "not once per sample; the loss and gradients stay the same.",
     )
+    skip_zero_gradient: bool = Field(
+        True,
+        description="Do not run samples whose advantage is 0 on every loss token (all-equal-reward groups): "
+        "their gradient is exactly 0 and the normaliser still counts them, so the update is unchanged; "
+        "entropy, clip and KL metrics then cover the trained samples only. Off when loss.kl_coef > 0.",
+    )
     intake_order: Literal["oldest_first", "arrival"] = Field(
         "oldest_first",
         description="Which delivered groups a step takes first: oldest policy version first (a group that "

@@ -10,8 +10,10 @@ of them to the longest wastes most of the compute, so:
    next would overflow, so each micro-batch holds similar lengths and pads little. A sequence longer than
    the budget gets a micro-batch of its own (it cannot be split without changing the loss); that micro-batch
    exceeds the budget and is the only kind that may.
-3. :func:`plan_step` pads every rank with empty micro-batches up to the largest count: FSDP's collectives
-   run once per forward/backward, so a rank with fewer micro-batches would leave the others hanging.
+3. :func:`plan_step` pads every rank with empty micro-batches up to the largest count (at least one): FSDP's
+   collectives run once per forward/backward, so a rank with fewer micro-batches would leave the others hanging.
+4. :func:`step_inputs` does all of it for a step, optionally leaving out the sequences that carry no gradient
+   (:func:`carries_gradient`: zero advantage on every loss token) while the loss normaliser still counts them.
 
 Layout of a :class:`MicroBatch` (``b`` rows, right-padded to the longest row ``L``): every tensor is
 ``[b, L]`` and position ``t`` describes token ``input_ids[:, t]``. The log-prob of token ``t`` is predicted
@@ -229,7 +231,9 @@ def plan_step(lengths: Sequence[int], world_size: int, token_budget: int) -> Ste
     for share in balance_ranks(lengths, world_size):
         local = plan_micro_batches([lengths[i] for i in share], token_budget)
         per_rank.append([[share[j] for j in mb] for mb in local])
-    count = max((len(r) for r in per_rank), default=0)
+    # at least one (then empty) micro-batch: a step left with nothing to run still runs forward and backward,
+    # so every rank joins the collectives and the optimizer sees zero gradients, as the whole step would give
+    count = max(1, max((len(r) for r in per_rank), default=0))
     for r in per_rank:
         r.extend([] for _ in range(count - len(r)))
     return StepPlan(ranks=per_rank, lengths=list(lengths))
@@ -437,3 +441,55 @@ def gather_logprobs(logits: Tensor, input_ids: Tensor, temperature: float | Tens
     picked = scaled.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     token_logp = picked - torch.logsumexp(scaled, dim=-1)
     return torch.cat([token_logp.new_zeros(token_logp.shape[0], 1), token_logp], dim=1)
+
+
+def carries_gradient(seq: TrainSequence) -> bool:
+    """Whether any loss token of ``seq`` has a nonzero advantage.
+
+    Every policy loss scales a token's gradient by its advantage and its loss mask (the reference KL, whose
+    gradient does not, is the caller's to rule out), so a sequence without such a token adds exactly zero to
+    the gradient: every sample of a group whose rewards are all equal (its advantages are exactly 0).
+    """
+    live = seq.loss_mask > 0
+    adv = seq.advantages
+    if isinstance(adv, float) or adv.dim() == 0:
+        return float(adv) != 0.0 and bool(live.any())
+    return bool((live & (adv != 0)).any())
+
+
+@dataclass
+class StepInputs:
+    """What every rank runs in one optimizer step."""
+
+    micro_batches: list[list[MicroBatch]]  # per rank; every rank has the same number
+    temperatures: list[list[Tensor]]  # per rank and micro-batch: float [b], each row's sampling temperature
+    normaliser: float  # the step's global loss normaliser (over all sequences, skipped ones included)
+    skipped: int  # sequences left out because they carry no gradient
+    skipped_tokens: int  # their tokens (prompt + output), the forward work saved
+
+
+def step_inputs(
+    seqs: Sequence[TrainSequence],
+    temps: Sequence[float],
+    world_size: int,
+    token_budget: int,
+    share: bool,
+    aggregation: Aggregation,
+    skip_zero_gradient: bool,
+) -> StepInputs:
+    """Plan and collate a step for ``world_size`` ranks. ``temps[i]`` is the temperature of ``seqs[i]``.
+
+    With ``skip_zero_gradient`` the sequences that carry no gradient (:func:`carries_gradient`) are not run;
+    the normaliser still counts them, so the loss, the gradient and the update are those of the whole step.
+    """
+    normaliser = float(max(1, step_loss_units(seqs, aggregation)))
+    kept = [s for s in seqs if carries_gradient(s)] if skip_zero_gradient else list(seqs)
+    rows, plan = plan_rows(kept, world_size, token_budget, share)
+    per_rank = [rank_micro_batches(kept, plan, rank, rows=rows) for rank in range(world_size)]
+    rank_temps = [
+        [torch.tensor([temps[i] if i >= 0 else 1.0 for i in mb.seq_index.tolist()]) for mb in mbs]
+        for mbs in per_rank
+    ]
+    skipped = len(seqs) - len(kept)
+    skipped_tokens = sum(s.length for s in seqs) - sum(s.length for s in kept)
+    return StepInputs(per_rank, rank_temps, normaliser, skipped, skipped_tokens)

@@ -34,7 +34,7 @@ from learner.checkpoint import CheckpointManager, CheckpointMeta, LedgerEntry, e
 from learner.config import LearnerConfig
 from learner.distributed import DistInfo, shard_model
 from learner.intake import Intake, NotReady, StepBatch, group_advantages, run_coroutine
-from learner.packing import MicroBatch, TrainSequence, plan_rows, rank_micro_batches, step_loss_units
+from learner.packing import MicroBatch, TrainSequence, step_inputs
 from learner.step import train_step
 
 log = logging.getLogger("streamrl.learner")
@@ -89,6 +89,12 @@ def build_sequences(
     return seqs, temps
 
 
+def skips_zero_gradient(config: LearnerConfig) -> bool:
+    """Whether a step leaves out the samples that carry no gradient: asked for, and no reference KL (whose
+    gradient does not vanish with the advantage)."""
+    return config.skip_zero_gradient and config.loss.kl_coef == 0
+
+
 def batch_metrics(batch: StepBatch, config: LearnerConfig) -> dict[str, float]:
     """Reward, advantage and staleness statistics of a step's groups."""
     groups = batch.groups
@@ -135,6 +141,7 @@ class Learner:
         self.step = 0
         self.version = 0
         self.skipped_steps = 0
+        self._skipped = (0, 0)  # the current step's (sequences, tokens) left out: no gradient
         self.checkpoints = CheckpointManager(
             Path(shared.run_dir) / "checkpoints", keep_last=config.keep_checkpoints
         )
@@ -294,31 +301,31 @@ class Learner:
 
     def _payloads(self, batch: StepBatch) -> list[StepPayload]:
         seqs, temps = build_sequences(batch.groups, self.config)
-        rows, plan = plan_rows(
-            seqs, self.info.world_size, self.config.micro_batch_tokens, self.config.share_prompts
+        inputs = step_inputs(
+            seqs,
+            temps,
+            self.info.world_size,
+            self.config.micro_batch_tokens,
+            self.config.share_prompts,
+            self.config.loss.aggregation,
+            skip_zero_gradient=skips_zero_gradient(self.config),
         )
-        normaliser = float(max(1, step_loss_units(seqs, self.config.loss.aggregation)))
+        self._skipped = (inputs.skipped, inputs.skipped_tokens)
         due = self.step + 1
         checkpoint = due % self.config.checkpoint_every == 0 or (
             time.monotonic() - self._last_checkpoint_time > self.config.checkpoint_interval_s
         )
-        payloads = []
-        for rank in range(self.info.world_size):
-            mbs = rank_micro_batches(seqs, plan, rank, rows=rows)
-            rank_temps = [
-                torch.tensor([temps[i] if i >= 0 else 1.0 for i in mb.seq_index.tolist()]) for mb in mbs
-            ]
-            payloads.append(
-                StepPayload(
-                    stop=False,
-                    micro_batches=mbs,
-                    temperatures=rank_temps,
-                    normaliser=normaliser,
-                    learner_version=batch.learner_version,
-                    checkpoint=checkpoint,
-                )  # fmt: skip
+        return [
+            StepPayload(
+                stop=False,
+                micro_batches=mbs,
+                temperatures=rank_temps,
+                normaliser=inputs.normaliser,
+                learner_version=batch.learner_version,
+                checkpoint=checkpoint,
             )
-        return payloads
+            for mbs, rank_temps in zip(inputs.micro_batches, inputs.temperatures, strict=True)
+        ]
 
     def _scatter(self, payloads: list[StepPayload] | None) -> StepPayload:
         if self.info.world_size == 1:
@@ -360,6 +367,8 @@ class Learner:
             step_applied=float(applied),
             lr=float(self.scheduler.get_last_lr()[0]),
             wait_seconds=batch.wait_s,
+            skipped_samples=float(self._skipped[0]),
+            skipped_tokens=float(self._skipped[1]),
             step_seconds=wall,
             idle_ratio=batch.wait_s / wall if wall > 0 else 0.0,
             trained_tokens_per_s=tokens / wall if wall > 0 else 0.0,

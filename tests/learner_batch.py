@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from learner.config import LearnerConfig
-from learner.packing import MicroBatch, TrainSequence, plan_rows, rank_micro_batches, step_loss_units
+from learner.packing import MicroBatch, TrainSequence, step_inputs
+from learner.trainer import skips_zero_gradient
 
 
 def make_sequences(
@@ -42,8 +43,13 @@ def rank_inputs(
     seqs: list[TrainSequence], temps: list[float], config: LearnerConfig, world_size: int, rank: int
 ) -> tuple[list[MicroBatch], list[torch.Tensor], float]:
     """This rank's micro-batches, per-row temperatures and the step's global normaliser (as the trainer does)."""
-    rows, plan = plan_rows(seqs, world_size, config.micro_batch_tokens, config.share_prompts)
-    mbs = rank_micro_batches(seqs, plan, rank, rows=rows)
-    rank_temps = [torch.tensor([temps[i] if i >= 0 else 1.0 for i in mb.seq_index.tolist()]) for mb in mbs]
-    normaliser = float(max(1, step_loss_units(seqs, config.loss.aggregation)))
-    return mbs, rank_temps, normaliser
+    inputs = step_inputs(
+        seqs,
+        temps,
+        world_size,
+        config.micro_batch_tokens,
+        config.share_prompts,
+        config.loss.aggregation,
+        skip_zero_gradient=skips_zero_gradient(config),
+    )
+    return inputs.micro_batches[rank], inputs.temperatures[rank], inputs.normaliser

@@ -33,12 +33,15 @@ def _unpadded_logp(model: torch.nn.Module, s: TrainSequence, temperature: float)
 
 
 @pytest.mark.parametrize(
-    "policy_loss,group_size", [("decoupled_ppo", 1), ("ppo", 1), ("tis", 1), ("decoupled_ppo", 4)]
+    "policy_loss,group_size,flat_groups",
+    [("decoupled_ppo", 1, 0), ("ppo", 1, 0), ("tis", 1, 0), ("decoupled_ppo", 4, 0), ("decoupled_ppo", 4, 1)],
 )
 def test_padded_step_update_equals_hand_grpo_gradient(
-    tmp_path: Path, policy_loss: str, group_size: int
+    tmp_path: Path, policy_loss: str, group_size: int, flat_groups: int
 ) -> None:
-    """group_size 4: samples share prompts, so the step runs shared rows (each prompt once)."""
+    """group_size 4: samples share prompts, so the step runs shared rows (each prompt once). flat_groups: that
+    many groups have advantage 0 (all-equal rewards); the step leaves them out of the forward but not out of
+    the normaliser, so the update is still the whole step's."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
@@ -55,6 +58,12 @@ def test_padded_step_update_equals_hand_grpo_gradient(
                           s.loss_mask, s.advantages, s.index)
             for s, t in zip(raw, temps, strict=True)
         ]  # fmt: skip
+    flat = set(range(flat_groups * group_size))
+    seqs = [
+        TrainSequence(s.prompt_ids, s.output_ids, s.logprobs, s.versions, s.loss_mask, 0.0, s.index)
+        if s.index in flat else s
+        for s in seqs
+    ]  # fmt: skip
     config = LearnerConfig(
         world_size=1, micro_batch_tokens=96, max_grad_norm=1e9, loss=LossConfig(policy_loss=policy_loss)
     )
@@ -64,6 +73,8 @@ def test_padded_step_update_equals_hand_grpo_gradient(
     assert bool(shared) == (group_size > 1)
     if group_size > 1:  # each shared row holds its prompt once
         assert sum(m.num_tokens for m in mbs) < sum(s.length for s in seqs)
+    run = {i for m in mbs for i in m.seq_index.tolist() if i >= 0}
+    assert run == set(range(len(seqs))) - flat
 
     # by hand: per sequence, unpadded, REINFORCE with the token-mean normaliser
     model.zero_grad()

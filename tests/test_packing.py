@@ -14,11 +14,13 @@ from learner.losses import compute_policy_loss
 from learner.packing import (
     TrainSequence,
     balance_ranks,
+    carries_gradient,
     collate,
     gather_logprobs,
     plan_micro_batches,
     plan_step,
     rank_micro_batches,
+    step_inputs,
     step_loss_units,
 )
 
@@ -203,3 +205,52 @@ def test_micro_batch_to_device_keeps_every_field() -> None:
     mb = collate([make_seq(0, 2, 3)])
     moved = mb.to("cpu")
     assert torch.equal(moved.input_ids, mb.input_ids) and torch.equal(moved.seq_index, mb.seq_index)
+
+
+def _with(seq: TrainSequence, advantages: float | torch.Tensor, loss_mask: torch.Tensor | None = None):
+    mask = seq.loss_mask if loss_mask is None else loss_mask
+    return TrainSequence(
+        seq.prompt_ids, seq.output_ids, seq.logprobs, seq.versions, mask, advantages, seq.index
+    )
+
+
+def test_carries_gradient() -> None:
+    s = make_seq(0, 3, 4)
+    assert carries_gradient(_with(s, 0.5))
+    assert not carries_gradient(_with(s, 0.0))
+    assert not carries_gradient(_with(s, 0.5, torch.zeros(4)))  # no loss token
+    per_token = torch.tensor([0.0, 0.0, 0.3, 0.0])
+    assert carries_gradient(_with(s, per_token, torch.tensor([1.0, 1.0, 1.0, 0.0])))
+    assert not carries_gradient(_with(s, per_token, torch.tensor([1.0, 1.0, 0.0, 1.0])))
+
+
+def test_step_inputs_leave_out_zero_advantage_sequences_but_count_them() -> None:
+    seqs = [make_seq(i, 3, 5 + i) for i in range(8)]
+    seqs = [_with(s, 0.0) if i in (1, 4, 5) else s for i, s in enumerate(seqs)]
+    temps = [0.5 + 0.1 * i for i in range(8)]
+    full = step_inputs(seqs, temps, 2, 64, False, "token-mean", skip_zero_gradient=False)
+    lean = step_inputs(seqs, temps, 2, 64, False, "token-mean", skip_zero_gradient=True)
+    assert lean.normaliser == full.normaliser == step_loss_units(seqs, "token-mean")
+    assert (lean.skipped, lean.skipped_tokens) == (3, sum(seqs[i].length for i in (1, 4, 5)))
+    assert (full.skipped, full.skipped_tokens) == (0, 0)
+
+    def trained(inputs) -> dict[int, float]:  # sequence index -> its rows' temperature
+        return {
+            i: float(t[row])
+            for mbs, temps_ in zip(inputs.micro_batches, inputs.temperatures, strict=True)
+            for mb, t in zip(mbs, temps_, strict=True)
+            for row, i in enumerate(mb.seq_index.tolist())
+            if i >= 0
+        }
+
+    assert sorted(trained(full)) == list(range(8))
+    assert trained(lean) == {i: pytest.approx(temps[i]) for i in (0, 2, 3, 6, 7)}
+    assert len({len(mbs) for mbs in lean.micro_batches}) == 1  # every rank runs the same count
+
+
+def test_a_step_with_nothing_to_train_still_runs_one_empty_micro_batch_per_rank() -> None:
+    seqs = [_with(make_seq(i, 2, 3), 0.0) for i in range(4)]
+    inputs = step_inputs(seqs, [1.0] * 4, 2, 64, True, "token-mean", skip_zero_gradient=True)
+    assert inputs.skipped == 4
+    assert [[mb.is_empty for mb in mbs] for mbs in inputs.micro_batches] == [[True], [True]]
+    assert plan_step([], world_size=2, token_budget=8).ranks == [[[]], [[]]]
