@@ -146,6 +146,21 @@ def test_summary_pools_seeds_from_result_files_and_recomputes_the_ratio(tmp_path
     assert (tmp_path / "pooled.svg").exists()
 
 
+def test_streamrl_may_train_past_trl_and_its_reward_at_trl_samples_is_reported(tmp_path: Path) -> None:
+    import json
+
+    from benchmarks.vs_trl.__main__ import default_streamrl_steps
+
+    assert [default_streamrl_steps(n) for n in (60, 30, 25)] == [90, 45, 40]
+    trl = [curve((0, 0, 0.4), (5, 10, 0.5), (10, 20, 0.7))]  # target 0.6
+    ours = [curve((0, 0, 0.4), (5, 4, 0.5), (10, 8, 0.55), (15, 12, 0.62))]
+    doc = json.loads(_result_file(tmp_path, "a.json", [0], trl, ours).read_text())
+    assert doc["time_to_target_ratio"] == pytest.approx(20 / 12)  # reached at step 15, past TRL's 10
+    assert (doc["streamrl_final_reward"], doc["streamrl_final_step"]) == (0.62, 15)
+    assert doc["streamrl_reward_at_trl_samples"] == 0.55  # step 10: TRL's 640 samples
+    assert doc["results"]["sides"]["TRL"]["reward_at_trl_samples"] == 0.7
+
+
 def test_pooling_refuses_a_seed_twice_and_another_model(tmp_path: Path) -> None:
     from benchmarks.vs_trl.__main__ import main
 

@@ -3,19 +3,26 @@
     python -m benchmarks.vs_trl --quick --out FILE
 
 Both sides start from the same warm-started tiny model and train on the same prompts (streamrl's hand-out order)
-with the same group size, learning rate, temperature, max length and number of steps x samples. TRL's
-GRPOTrainer generates with transformers on the CPU (no vLLM) and uses every core in each phase; streamrl runs
-`streamrl up` (2 built-in engines, a rollout worker, a 2-rank learner) at eta = 0 and at its default eta.
+with the same group size, learning rate, temperature, max length and samples per step. TRL's GRPOTrainer
+generates with transformers on the CPU (no vLLM) and uses every core in each phase; streamrl runs `streamrl up`
+(one built-in engine, a rollout worker and a one-rank learner: ``deployment()``) at eta = 0 and at its default eta.
+
+TRL trains ``--steps``; streamrl trains ``--streamrl-steps`` (1.5 x as many by default), because the question is
+how long streamrl takes to REACH TRL's final reward: a run cut at TRL's step count reaches it only where it also
+beats TRL per sample, a coin flip for two implementations of one update. streamrl's reward at TRL's sample count
+is reported beside it (``streamrl_reward_at_trl_samples``), so the per-sample comparison stays in view.
 
 Each side runs ``--seeds`` times (seed s: sampling, learner and prompt order); curves are averaged point-wise over
-seeds. The target reward is TRL's final held-out greedy accuracy (the mean of its last two evaluations); ``time_to_target_ratio`` = TRL's training time to reach it / streamrl's (default eta),
-> 1 when streamrl is faster. Clocks count training only (held-out evaluation is excluded on both sides).
+seeds. The target reward is TRL's final held-out greedy accuracy (the mean of its last two evaluations);
+``time_to_target_ratio`` = TRL's training time to reach it / streamrl's (default eta), > 1 when streamrl is
+faster. Clocks count training only (held-out evaluation is excluded on both sides).
 Writes the JSON to --out and an SVG plot beside it (same name, .svg).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -58,11 +65,17 @@ def first_reaching(curve: list[dict[str, float]], target: float) -> dict[str, fl
     return next((p for p in curve[1:] if p["greedy"] >= target - 1e-9), None)
 
 
-def side_summary(curve: list[dict[str, float]], target: float) -> dict[str, Any]:
+def side_summary(
+    curve: list[dict[str, float]], target: float, trl_samples: float | None = None
+) -> dict[str, Any]:
+    """One side's mean curve against the target; ``trl_samples``: TRL's sample count, for the reward there."""
     hit = first_reaching(curve, target)
     steps = curve[-1]["step"]
+    at_trl = next((p["greedy"] for p in curve if p["samples"] == trl_samples), None)
     return {
         "final_reward": curve[-1]["greedy"],
+        "final_step": steps,
+        "reward_at_trl_samples": at_trl,
         "final_sampled": curve[-1]["sampled"],
         "wall_seconds": curve[-1]["wall_seconds"],
         "seconds_per_step": curve[-1]["wall_seconds"] / steps if steps else None,
@@ -103,9 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="30 steps per side (about 10 minutes in all)")
     parser.add_argument(
-        "--steps", type=int, default=None, help="optimizer steps per side (30 quick, 60 full)"
+        "--quick",
+        action="store_true",
+        help="30 TRL steps, 45 streamrl steps, one seed (about 12 minutes in all)",
+    )
+    parser.add_argument("--steps", type=int, default=None, help="TRL's optimizer steps (30 quick, 60 full)")
+    parser.add_argument(
+        "--streamrl-steps",
+        type=int,
+        default=None,
+        help="streamrl's optimizer steps (default 1.5 x --steps): time to reach TRL's final reward, not a "
+        "same-length race",
     )
     parser.add_argument("--eta", type=int, default=DEFAULT_ETA, help="streamrl's asynchronous eta")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per side (1 quick, 5 full)")
@@ -135,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
     """Every side for every seed; returns what :func:`summarise` takes."""
     steps = args.steps or (30 if args.quick else 60)
+    streamrl_steps = args.streamrl_steps or default_streamrl_steps(steps)
+    if streamrl_steps < steps:
+        raise SystemExit(f"--streamrl-steps {streamrl_steps} must be at least --steps {steps}")
     seeds = args.seeds or (1 if args.quick else 5)
     from rollout_fleet.warmstart import init_warm_model
 
@@ -149,14 +174,16 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             trl = run_trl_subprocess(model_dir, recipe, Path(tmp) / f"trl{seed}.json")
             per_seed.setdefault("TRL", []).append(trl["curve"])
             for eta in sorted({0, args.eta}):
-                print(f"seed {seed}: streamrl eta={eta}, {steps} steps ...", flush=True)
-                run = run_streamrl(model_dir, recipe, eta, Path(tmp) / f"s{seed}-eta{eta}")
+                print(f"seed {seed}: streamrl eta={eta}, {streamrl_steps} steps ...", flush=True)
+                longer = dataclasses.replace(recipe, steps=streamrl_steps)
+                run = run_streamrl(model_dir, longer, eta, Path(tmp) / f"s{seed}-eta{eta}")
                 per_seed.setdefault(f"streamrl eta={eta}", []).append(run["curve"])
                 runs.setdefault(str(eta), []).append(run["summary"])
     params = {
         # what every run shares; seed s sets sampling, the learner and the prompt order of run s
         "recipe": {k: v for k, v in trl["recipe"].items() if k not in ("seed", "shuffle_seed")},
         "seeds": list(range(args.first_seed, args.first_seed + seeds)),
+        "streamrl_steps": streamrl_steps,
         "model": str(model_dir),
         "eta": args.eta,
         "trl_config": trl["trl_config"],
@@ -166,14 +193,19 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     return {"mode": mode, "params": params, "curves_per_seed": per_seed, "streamrl_runs": runs}
 
 
+def default_streamrl_steps(steps: int, eval_every: int = 5) -> int:
+    """1.5 x TRL's steps, rounded up to an evaluation point."""
+    return -(-(3 * steps) // (2 * eval_every)) * eval_every
+
+
 def pooled_runs(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """The per-seed curves of several result files as one set of runs (for more seeds than one sitting)."""
     first = docs[0]
     for doc in docs[1:]:
-        for key in ("recipe", "eta", "model"):
-            if doc["params"][key] != first["params"][key]:
+        for key in ("recipe", "eta", "model", "streamrl_steps"):
+            if doc["params"].get(key) != first["params"].get(key):
                 raise SystemExit(
-                    f"--from-json: {key} differs: {doc['params'][key]} vs {first['params'][key]}"
+                    f"--from-json: {key} differs: {doc['params'].get(key)} vs {first['params'].get(key)}"
                 )
     seeds = [s for doc in docs for s in _seed_list(doc["params"]["seeds"])]
     if len(set(seeds)) != len(seeds):
@@ -199,7 +231,8 @@ def summarise(runs: dict[str, Any], out: Path) -> dict[str, Any]:
     eta, n_seeds = params["eta"], len(_seed_list(params["seeds"]))
     curves = {name: mean_curve(cs) for name, cs in per_seed.items()}
     target = target_of(curves["TRL"])
-    sides = {name: side_summary(c, target) for name, c in curves.items()}
+    trl_samples = curves["TRL"][-1]["samples"]
+    sides = {name: side_summary(c, target, trl_samples) for name, c in curves.items()}
     ours = sides[f"streamrl eta={eta}"]
     trl_side = sides["TRL"]
     ratio = trl_side["time_to_target"] / ours["time_to_target"] if ours["time_to_target"] else 0.0
@@ -209,6 +242,9 @@ def summarise(runs: dict[str, Any], out: Path) -> dict[str, Any]:
         "target_reward": target,
         "trl_final_reward": trl_side["final_reward"],
         "streamrl_final_reward": ours["final_reward"],
+        "streamrl_final_step": ours["final_step"],
+        # context, not a target: the same sample count as TRL's whole run (the per-sample comparison)
+        "streamrl_reward_at_trl_samples": ours["reward_at_trl_samples"],
         "final_reward_margin_over_noise": margin
         + noise(trl_side["final_reward"], params["recipe"]["heldout"] * n_seeds),
         # context, not a target: TRL's seconds per step over streamrl's
