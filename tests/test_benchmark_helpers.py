@@ -159,6 +159,8 @@ def test_streamrl_may_train_past_trl_and_its_reward_at_trl_samples_is_reported(t
     assert (doc["streamrl_final_reward"], doc["streamrl_final_step"]) == (0.62, 15)
     assert doc["streamrl_reward_at_trl_samples"] == 0.55  # step 10: TRL's 640 samples
     assert doc["results"]["sides"]["TRL"]["reward_at_trl_samples"] == 0.7
+    # per sample: the mean over evaluations stops at TRL's sample count on every side
+    assert doc["results"]["sides"]["streamrl eta=1"]["mean_reward_over_evaluations"] == pytest.approx(0.525)
 
 
 def test_pooling_refuses_a_seed_twice_and_another_model(tmp_path: Path) -> None:

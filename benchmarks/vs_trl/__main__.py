@@ -79,8 +79,11 @@ def side_summary(
         "final_sampled": curve[-1]["sampled"],
         "wall_seconds": curve[-1]["wall_seconds"],
         "seconds_per_step": curve[-1]["wall_seconds"] / steps if steps else None,
-        # the curve's mean over its evaluations after the start: the whole run in one number
-        "mean_reward_over_evaluations": sum(p["greedy"] for p in curve[1:]) / max(1, len(curve) - 1),
+        # the curve's mean over its evaluations after the start, up to TRL's sample count (comparable across
+        # sides): learning per sample in one number
+        "mean_reward_over_evaluations": statistics.fmean(
+            p["greedy"] for p in curve[1:] if trl_samples is None or p["samples"] <= trl_samples
+        ),
         "time_to_target": hit["wall_seconds"] if hit else None,
         "samples_to_target": hit["samples"] if hit else None,
     }
