@@ -67,7 +67,13 @@ def scrape_every_daemon(run_dir: Path, metrics_base: int) -> dict[str, dict]:
     }
     for i, url in enumerate(cfg["rollout"]["engine_urls"]):
         endpoints[f"engine-{i}"] = f"{url}/metrics"
-    return {name: scrape_once_listening(url) for name, url in endpoints.items()}
+    scraped = {}
+    for name, url in endpoints.items():
+        try:
+            scraped[name] = scrape_once_listening(url)
+        except urllib.error.URLError as exc:
+            raise AssertionError(f"{name}'s metrics endpoint {url} did not answer: {exc.reason}") from exc
+    return scraped
 
 
 def scrape_once_listening(url: str, wait_s: float = 60.0) -> dict:
