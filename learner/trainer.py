@@ -34,7 +34,7 @@ from learner.checkpoint import CheckpointManager, CheckpointMeta, LedgerEntry, e
 from learner.config import LearnerConfig
 from learner.distributed import DistInfo, shard_model
 from learner.intake import Intake, NotReady, StepBatch, group_advantages, run_coroutine
-from learner.packing import MicroBatch, TrainSequence, step_inputs
+from learner.packing import MicroBatch, StepInputs, TrainSequence, step_inputs
 from learner.step import train_step
 
 log = logging.getLogger("streamrl.learner")
@@ -93,6 +93,21 @@ def skips_zero_gradient(config: LearnerConfig) -> bool:
     """Whether a step leaves out the samples that carry no gradient: asked for, and no reference KL (whose
     gradient does not vanish with the advantage)."""
     return config.skip_zero_gradient and config.loss.kl_coef == 0
+
+
+def plan_step_inputs(
+    seqs: list[TrainSequence], temps: list[float], config: LearnerConfig, world_size: int
+) -> StepInputs:
+    """A step's per-rank inputs under the learner's config (the trainer's one call of :func:`step_inputs`)."""
+    return step_inputs(
+        seqs,
+        temps,
+        world_size,
+        config.micro_batch_tokens,
+        config.share_prompts,
+        config.loss.aggregation,
+        skip_zero_gradient=skips_zero_gradient(config),
+    )
 
 
 def batch_metrics(batch: StepBatch, config: LearnerConfig) -> dict[str, float]:
@@ -301,15 +316,7 @@ class Learner:
 
     def _payloads(self, batch: StepBatch) -> list[StepPayload]:
         seqs, temps = build_sequences(batch.groups, self.config)
-        inputs = step_inputs(
-            seqs,
-            temps,
-            self.info.world_size,
-            self.config.micro_batch_tokens,
-            self.config.share_prompts,
-            self.config.loss.aggregation,
-            skip_zero_gradient=skips_zero_gradient(self.config),
-        )
+        inputs = plan_step_inputs(seqs, temps, self.config, self.info.world_size)
         self._skipped = (inputs.skipped, inputs.skipped_tokens)
         due = self.step + 1
         checkpoint = due % self.config.checkpoint_every == 0 or (

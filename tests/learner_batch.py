@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from learner.config import LearnerConfig
-from learner.packing import MicroBatch, TrainSequence, step_inputs
-from learner.trainer import skips_zero_gradient
+from learner.packing import MicroBatch, TrainSequence
+from learner.trainer import plan_step_inputs
 
 
 def make_sequences(
@@ -43,13 +43,5 @@ def rank_inputs(
     seqs: list[TrainSequence], temps: list[float], config: LearnerConfig, world_size: int, rank: int
 ) -> tuple[list[MicroBatch], list[torch.Tensor], float]:
     """This rank's micro-batches, per-row temperatures and the step's global normaliser (as the trainer does)."""
-    inputs = step_inputs(
-        seqs,
-        temps,
-        world_size,
-        config.micro_batch_tokens,
-        config.share_prompts,
-        config.loss.aggregation,
-        skip_zero_gradient=skips_zero_gradient(config),
-    )
+    inputs = plan_step_inputs(seqs, temps, config, world_size)
     return inputs.micro_batches[rank], inputs.temperatures[rank], inputs.normaliser
