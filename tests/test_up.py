@@ -5,7 +5,9 @@ every role cleanly."""
 from __future__ import annotations
 
 import json
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +19,6 @@ from pathlib import Path
 import pytest
 import redis
 
-from learner.distributed import free_port
 from tests.prom import scrape
 
 pytestmark = pytest.mark.timeout(1200)
@@ -41,6 +42,30 @@ def up(run_dir: Path, model: Path, metrics_base: int, *extra: str) -> subprocess
     return subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
+
+
+def metrics_base_port() -> int:
+    """A base for ``dashboard.metrics_base_port`` whose every offset the test scrapes is free, taken below the
+    kernel's ephemeral range: a port from that range (what ``free_port`` gives) can be held at any moment by
+    one of the run's own client connections, so base + 1 or + 10 may refuse to bind while base itself did."""
+    ephemeral_low = 32768
+    range_file = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if range_file.is_file():
+        ephemeral_low = int(range_file.read_text().split()[0])
+    for _ in range(100):
+        base = random.randrange(max(1024, ephemeral_low - 12000), ephemeral_low - 16)
+        if all(port_is_free(base + offset) for offset in range(12)):
+            return base
+    raise RuntimeError(f"no 12 free ports in a row below the ephemeral range ({ephemeral_low})")
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def learner_step(run_dir: Path) -> int:
@@ -120,7 +145,7 @@ async def test_learner_counts_as_ready_once_version_0_is_published(redis_url: st
 
 def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_model: Path) -> None:
     run_dir = tmp_path / "run"
-    metrics_base = free_port()
+    metrics_base = metrics_base_port()
     proc = up(
         run_dir, warm_model, metrics_base, f"--learner.max_steps={STEPS}", "--learner.keep_checkpoints=100",
         f"--learner.snapshot_every={STEPS // 2}",
@@ -169,7 +194,7 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
 
     # resume the stopped run: it continues from its checkpoint and stream, no group is trained twice
     args = [sys.executable, "-m", "streamrl", "up", "--resume", str(run_dir), f"--learner.max_steps={STEPS + 10}",
-            f"--dashboard.metrics_base_port={free_port()}"]  # fmt: skip
+            f"--dashboard.metrics_base_port={metrics_base_port()}"]  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
@@ -181,7 +206,7 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
 
 def test_sigterm_stops_every_role_cleanly(tmp_path: Path, warm_model: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = up(run_dir, warm_model, free_port())
+    proc = up(run_dir, warm_model, metrics_base_port())
     deadline = time.monotonic() + 600
     while learner_step(run_dir) < 2:
         assert proc.poll() is None, proc.stdout.read()
