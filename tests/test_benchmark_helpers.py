@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks import async_vs_sync
 from benchmarks.plot import figure, line_chart
-from benchmarks.vs_trl.__main__ import first_reaching, noise, side_summary, target_of
+from benchmarks.vs_trl.__main__ import final_reward_of, first_reaching, noise, side_summary
 from benchmarks.vs_trl.streamrl_side import up_command
 from benchmarks.vs_trl.trl_side import Curve, GRPORecipe, TrainingClock
 from broker.configlib import load_config
@@ -24,15 +24,16 @@ def curve(*points: tuple[int, float, float]) -> list[dict[str, float]]:
     return c.points
 
 
-def test_target_is_the_mean_of_the_last_two_evaluations() -> None:
-    assert target_of(curve((0, 0, 0.4), (5, 4, 0.6), (10, 8, 0.7))) == pytest.approx(0.65)
+def test_final_reward_is_the_mean_of_the_last_two_evaluations() -> None:
+    assert final_reward_of(curve((0, 0, 0.4), (5, 4, 0.6), (10, 8, 0.7))) == pytest.approx(0.65)
 
 
 def test_time_to_target_is_the_first_point_at_or_above_it_and_ignores_the_start() -> None:
     c = curve((0, 0.0, 0.9), (5, 4.0, 0.5), (10, 8.0, 0.66), (15, 12.0, 0.7))
     assert first_reaching(c, 0.65)["wall_seconds"] == 8.0
     s = side_summary(c, 0.65)
-    assert (s["time_to_target"], s["samples_to_target"], s["final_reward"]) == (8.0, 640, 0.7)
+    assert (s["time_to_target"], s["samples_to_target"], s["last_evaluation"]) == (8.0, 640, 0.7)
+    assert s["final_reward"] == pytest.approx(0.68)  # 0.66 and 0.7
     assert side_summary(c, 0.95)["time_to_target"] is None
 
 
@@ -141,7 +142,8 @@ def test_summary_pools_seeds_from_result_files_and_recomputes_the_ratio(tmp_path
     assert doc["target_reward"] == pytest.approx(0.55)
     assert doc["time_to_target_ratio"] == pytest.approx(2.0)
     assert doc["per_step_speed_ratio"] == pytest.approx(2.0)
-    assert doc["final_reward_seed_noise"] == pytest.approx(0.1)  # finals 0.6, 0.6 and 0.6, 0.5
+    # finals (mean of the last two): 0.6, 0.45 against TRL's 0.55, 0.55: 2 * sqrt(0.01125 / 2 + 0)
+    assert doc["final_reward_seed_noise"] == pytest.approx(2 * (0.01125 / 2) ** 0.5)
     assert len(doc["results"]["streamrl_runs"]["1"]) == 2
     assert (tmp_path / "pooled.svg").exists()
 
@@ -156,11 +158,28 @@ def test_streamrl_may_train_past_trl_and_its_reward_at_trl_samples_is_reported(t
     ours = [curve((0, 0, 0.4), (5, 4, 0.5), (10, 8, 0.55), (15, 12, 0.62))]
     doc = json.loads(_result_file(tmp_path, "a.json", [0], trl, ours).read_text())
     assert doc["time_to_target_ratio"] == pytest.approx(20 / 12)  # reached at step 15, past TRL's 10
-    assert (doc["streamrl_final_reward"], doc["streamrl_final_step"]) == (0.62, 15)
+    assert doc["streamrl_final_step"] == 15
+    assert doc["streamrl_final_reward"] == pytest.approx(0.585)  # steps 10 and 15
     assert doc["streamrl_reward_at_trl_samples"] == 0.55  # step 10: TRL's 640 samples
     assert doc["results"]["sides"]["TRL"]["reward_at_trl_samples"] == 0.7
     # per sample: the mean over evaluations stops at TRL's sample count on every side
     assert doc["results"]["sides"]["streamrl eta=1"]["mean_reward_over_evaluations"] == pytest.approx(0.525)
+
+
+def test_the_final_reward_margin_measures_both_sides_the_way_the_target_measures_trl(tmp_path: Path) -> None:
+    import json
+
+    # TRL ends on a high draw (0.5 then 0.7: final 0.6); streamrl ends 0.62 then 0.6 (final 0.61). Against TRL's
+    # last evaluation alone streamrl would look 0.1 worse though it reached TRL's final reward.
+    trl = [curve((0, 0, 0.4), (5, 10, 0.5), (10, 20, 0.7))]
+    ours = [curve((0, 0, 0.4), (5, 4, 0.5), (10, 8, 0.62), (15, 12, 0.6))]
+    doc = json.loads(_result_file(tmp_path, "a.json", [0], trl, ours).read_text())
+    assert doc["trl_final_reward"] == doc["target_reward"] == pytest.approx(0.6)
+    assert doc["streamrl_final_reward"] == pytest.approx(0.61)
+    eval_noise = noise(0.6, 100)
+    assert doc["final_reward_margin_over_noise"] == pytest.approx(0.01 + eval_noise)
+    assert doc["last_evaluation_margin_over_noise"] == pytest.approx(0.6 - 0.7 + eval_noise)
+    assert doc["passed"]
 
 
 def test_pooling_refuses_a_seed_twice_and_another_model(tmp_path: Path) -> None:
