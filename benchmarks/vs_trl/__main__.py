@@ -255,7 +255,9 @@ def summarise(runs: dict[str, Any], out: Path) -> dict[str, Any]:
         # the noise of one evaluation per seed: an upper bound for a mean of two on the same problems
         "final_reward_margin_over_noise": margin + eval_noise,
         # context, not a target: the same margin from each side's last evaluation alone
-        "last_evaluation_margin_over_noise": ours["last_evaluation"] - trl_side["last_evaluation"] + eval_noise,
+        "last_evaluation_margin_over_noise": ours["last_evaluation"]
+        - trl_side["last_evaluation"]
+        + eval_noise,
         # context, not a target: TRL's seconds per step over streamrl's
         "per_step_speed_ratio": trl_side["seconds_per_step"] / ours["seconds_per_step"],
         # context, not a target: the final-reward difference's noise from the seed-to-seed spread
