@@ -206,3 +206,17 @@ def test_heldout_task_extends_the_default_test_split_and_leaves_training_alone()
     assert [large.make_prompt(i).text for i in range(0, 100_000, 4999)] == [
         default.make_prompt(i).text for i in range(0, 100_000, 4999)
     ]
+
+
+def test_keep_runs_leaves_the_run_directories_and_refuses_a_used_one(tmp_path: Path) -> None:
+    from benchmarks.vs_trl.__main__ import runs_directory
+
+    with runs_directory(None) as tmp:
+        (Path(tmp) / "s0-eta1").mkdir()
+    assert not Path(tmp).exists()
+    kept = tmp_path / "kept"
+    with runs_directory(kept) as where:
+        (Path(where) / "s0-eta1").mkdir()
+    assert (kept / "s0-eta1").is_dir()
+    with pytest.raises(SystemExit, match="not empty"), runs_directory(kept):
+        pass

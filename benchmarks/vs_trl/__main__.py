@@ -23,6 +23,7 @@ Writes the JSON to --out and an SVG plot beside it (same name, .svg).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -30,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         help="run nothing: recompute the summary from these result files' per-seed curves (their seeds are "
         "pooled; they must share the recipe, eta and model)",
     )
+    parser.add_argument(
+        "--keep-runs",
+        type=Path,
+        default=None,
+        help="keep every run's directory (streamrl's run dir with logs, metrics and snapshots; TRL's curve) "
+        "under this directory instead of a temporary one",
+    )
     parser.add_argument("--out", type=Path, required=True, help="where to write the result JSON")
     args = parser.parse_args(argv)
     if args.from_json:
@@ -173,7 +182,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     per_seed: dict[str, list[list[dict[str, float]]]] = {}
     runs: dict[str, list[dict[str, Any]]] = {}
     trl: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
+    with runs_directory(args.keep_runs) as tmp:
         for seed in range(args.first_seed, args.first_seed + seeds):
             recipe = GRPORecipe(steps=steps, eval_every=5, seed=seed, shuffle_seed=seed)
             print(f"seed {seed}: TRL GRPOTrainer, {steps} steps ...", flush=True)
@@ -197,6 +206,21 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     }
     mode = "quick" if args.quick else "full"
     return {"mode": mode, "params": params, "curves_per_seed": per_seed, "streamrl_runs": runs}
+
+
+@contextlib.contextmanager
+def runs_directory(keep: Path | None) -> Iterator[str]:
+    """Where the runs write: ``keep`` (created, left in place) or a temporary directory removed afterwards."""
+    if keep is None:
+        with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
+            yield tmp
+        return
+    keep.mkdir(parents=True, exist_ok=True)
+    if any(keep.iterdir()):
+        raise SystemExit(
+            f"--keep-runs {keep}: not empty (a run directory there would be mixed with old ones)"
+        )
+    yield str(keep)
 
 
 def default_streamrl_steps(steps: int, eval_every: int = 5) -> int:
