@@ -2,9 +2,10 @@
 
 Why not HF's cache classes: continuous batching needs sequences that join and leave a running batch between
 steps, each with its own length. HF's caches assume one padded batch that lives and dies together. This module
-runs the HF model's own modules (projections, norms, MLPs, rotary tables) in its own attention loop, so the
-weights stay the HF model's parameters (``load_weights`` is a copy by HF name) and a teacher-forced forward of
-the same HF model gives the same log-probs.
+runs the HF model's own modules (norms, output and down projections, rotary tables) in its own attention loop,
+so the weights stay the HF model's parameters (``load_weights`` is a copy by HF name) and a teacher-forced
+forward of the same HF model gives the same log-probs. The q/k/v and gate/up projections run as one matrix each
+(:func:`fuse_layer`); their HF parameters become views of those matrices, so a copy by name updates them.
 
 The KV cache holds one row per running sequence: per layer ``[rows, kv_heads, length, head_dim]``. Rows stay
 compact (the running batch is rows ``0..B-1``; a freed row is filled by moving the last one), so a decode step
@@ -14,6 +15,7 @@ attends over a view of the first B rows with a length mask, and nothing is gathe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -90,6 +92,44 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + _rotate_half(x) * sin
 
 
+@dataclass(frozen=True)
+class FusedLayer:
+    """One layer's projections as single matrices: q, k and v stacked ``[(heads + 2 kv_heads) * D, hidden]``
+    and, when the MLP has no biases, gate and up stacked ``[2 * intermediate, hidden]``. The HF parameters are
+    row views of these, so a weight update (a copy into the parameters by HF name) updates them too."""
+
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    gate_up_weight: torch.Tensor | None
+
+
+def _stack_as_views(params: Sequence[nn.Parameter]) -> torch.Tensor:
+    """Concatenate ``params`` along dim 0 and make each parameter a view of its rows of the result."""
+    with torch.no_grad():
+        stacked = torch.cat([p.detach() for p in params])
+        start = 0
+        for p in params:
+            p.data = stacked[start : start + p.shape[0]]
+            start += p.shape[0]
+    return stacked
+
+
+def fuse_layer(layer: nn.Module) -> FusedLayer:
+    """Stack a decoder layer's q/k/v (and gate/up) projections; a decode step then runs 2 matrix products where
+    it ran 5, which on small models is most of the per-step overhead."""
+    attn, mlp = layer.self_attn, layer.mlp
+    projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+    biases = [proj.bias for proj in projections]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        raise UnsupportedModelError("q, k and v projections must all have biases or none")
+    qkv_bias = None if biases[0] is None else _stack_as_views(biases)
+    qkv_weight = _stack_as_views([proj.weight for proj in projections])
+    gate_up = None
+    if mlp.gate_proj.bias is None and mlp.up_proj.bias is None:
+        gate_up = _stack_as_views([mlp.gate_proj.weight, mlp.up_proj.weight])
+    return FusedLayer(qkv_weight, qkv_bias, gate_up)
+
+
 def check_architecture(model: nn.Module) -> None:
     """Refuse models whose forward differs from the Llama / Qwen2 / Qwen3 decoder this runner implements."""
     arch = type(model).__name__
@@ -132,6 +172,7 @@ class ModelRunner:
             device=self.device,
         )
         self._build_rope_table()
+        self.fused = [fuse_layer(layer) for layer in model.model.layers]
         self.prefill_tokens_computed = 0  # tokens run through the model by prefill (copies excepted)
 
     @torch.inference_mode()
@@ -143,20 +184,33 @@ class ModelRunner:
         self.cos, self.sin = cos[0], sin[0]  # [max_context_len, head_dim]
 
     def _project(
-        self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, li: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [N, heads, T, D], k and v [N, kv_heads, T, D] for hidden states h [N, T, hidden], rope applied."""
+        """q [N, heads, T, D], k and v [N, kv_heads, T, D] for hidden states h [N, T, hidden] of layer ``li``,
+        rope applied."""
         n, t, _ = h.shape
-        q = attn.q_proj(h).view(n, t, self.num_heads, self.head_dim)
-        k = attn.k_proj(h).view(n, t, self.kv_heads, self.head_dim)
-        v = attn.v_proj(h).view(n, t, self.kv_heads, self.head_dim)
+        heads, kv = self.num_heads, self.kv_heads
+        fused = self.fused[li]
+        qkv = nn.functional.linear(h, fused.qkv_weight, fused.qkv_bias)
+        qkv = qkv.view(n, t, heads + 2 * kv, self.head_dim).transpose(1, 2)  # [N, heads + 2 kv, T, D]
+        attn = self.model.model.layers[li].self_attn
         if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head before rope
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        return _rope(q, cos, sin), _rope(k, cos, sin), v
+            q = attn.q_norm(qkv[:, :heads].transpose(1, 2)).transpose(1, 2)
+            k = attn.k_norm(qkv[:, heads : heads + kv].transpose(1, 2)).transpose(1, 2)
+            qk = torch.cat([q, k], dim=1)
+        else:
+            qk = qkv[:, : heads + kv]
+        qk = _rope(qk, cos, sin)  # one rope over q and k together
+        return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv :]
 
-    def _mlp_block(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+    def _mlp_block(self, li: int, x: torch.Tensor) -> torch.Tensor:
+        layer = self.model.model.layers[li]
+        h = layer.post_attention_layernorm(x)
+        gate_up = self.fused[li].gate_up_weight
+        if gate_up is None:
+            return x + layer.mlp(h)
+        gate, up = nn.functional.linear(h, gate_up).chunk(2, dim=-1)
+        return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
     @torch.inference_mode()
     def prefill(
@@ -205,15 +259,14 @@ class ModelRunner:
         row_index = torch.tensor(list(rows), dtype=torch.long, device=self.device)
         x = self.model.model.embed_tokens(ids)
         for li, layer in enumerate(self.model.model.layers):
-            attn = layer.self_attn
-            q, k, v = self._project(attn, layer.input_layernorm(x), cos, sin)
+            q, k, v = self._project(li, layer.input_layernorm(x), cos, sin)
             self.cache.k[li][row_index, :, :t] = k
             self.cache.v[li][row_index, :, :t] = v
             o = nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.groups > 1
             )
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(n, t, -1))
-            x = self._mlp_block(layer, x)
+            x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(n, t, -1))
+            x = self._mlp_block(li, x)
         seq_index = torch.tensor([i for i, ps in enumerate(positions) for _ in ps], device=self.device)
         pos_index = torch.tensor([p for ps in positions for p in ps], device=self.device)
         hidden = self.model.model.norm(x[seq_index, pos_index])
@@ -236,8 +289,7 @@ class ModelRunner:
         bias = bias.masked_fill_(~keep, float("-inf")).view(b, 1, 1, length)
         x = self.model.model.embed_tokens(tokens).unsqueeze(1)  # [B, 1, hidden]
         for li, layer in enumerate(self.model.model.layers):
-            attn = layer.self_attn
-            q, k, v = self._project(attn, layer.input_layernorm(x), cos, sin)
+            q, k, v = self._project(li, layer.input_layernorm(x), cos, sin)
             kc, vc = self.cache.k[li], self.cache.v[li]
             kc[rows, :, positions] = k[:, :, 0]
             vc[rows, :, positions] = v[:, :, 0]
@@ -246,6 +298,6 @@ class ModelRunner:
             scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scaling + bias
             probs = torch.softmax(scores, dim=-1).to(self.dtype)
             o = torch.matmul(probs, values).reshape(b, 1, self.num_heads * self.head_dim)
-            x = x + attn.o_proj(o)
-            x = self._mlp_block(layer, x)
+            x = x + layer.self_attn.o_proj(o)
+            x = self._mlp_block(li, x)
         return self.model.lm_head(self.model.model.norm(x[:, 0])).float()
