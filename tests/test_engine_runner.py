@@ -66,10 +66,11 @@ def reference_logits(
     return [torch.stack([r[k] for r in rows]) for k in range(steps + 1)]
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_prefill_and_decode_match_the_hf_forward(family: str) -> None:
+def test_prefill_and_decode_match_the_hf_forward(family: str, fused: bool) -> None:
     model = build(family, 0)
-    runner = ModelRunner(model, max_rows=4, max_context_len=64)
+    runner = ModelRunner(model, max_rows=4, max_context_len=64, fuse_projections=fused)
     seqs = [[5, 9, 11, 3], [8, 2, 2, 7, 30, 1], [4, 4]]
     lens = [len(s) for s in seqs]
     got = generate_logits(runner, seqs, steps=5)

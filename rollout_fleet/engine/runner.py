@@ -149,7 +149,9 @@ def check_architecture(model: nn.Module) -> None:
 class ModelRunner:
     """Prefill and decode over the HF model's modules with a :class:`KVCache` (inference only)."""
 
-    def __init__(self, model: nn.Module, *, max_rows: int, max_context_len: int) -> None:
+    def __init__(
+        self, model: nn.Module, *, max_rows: int, max_context_len: int, fuse_projections: bool = True
+    ) -> None:
         check_architecture(model)
         self.model = model
         config = model.config
@@ -172,7 +174,9 @@ class ModelRunner:
             device=self.device,
         )
         self._build_rope_table()
-        self.fused = [fuse_layer(layer) for layer in model.model.layers]
+        # None: the HF modules' own projections, one matrix product each (the baseline of
+        # benchmarks/engine_decode.py)
+        self.fused = [fuse_layer(layer) for layer in model.model.layers] if fuse_projections else None
         self.prefill_tokens_computed = 0  # tokens run through the model by prefill (copies excepted)
 
     @torch.inference_mode()
@@ -188,12 +192,14 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [N, heads, T, D], k and v [N, kv_heads, T, D] for hidden states h [N, T, hidden] of layer ``li``,
         rope applied."""
+        attn = self.model.model.layers[li].self_attn
+        if self.fused is None:
+            return self._project_unfused(attn, h, cos, sin)
         n, t, _ = h.shape
         heads, kv = self.num_heads, self.kv_heads
         fused = self.fused[li]
         qkv = nn.functional.linear(h, fused.qkv_weight, fused.qkv_bias)
         qkv = qkv.view(n, t, heads + 2 * kv, self.head_dim).transpose(1, 2)  # [N, heads + 2 kv, T, D]
-        attn = self.model.model.layers[li].self_attn
         if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head before rope
             q = attn.q_norm(qkv[:, :heads].transpose(1, 2)).transpose(1, 2)
             k = attn.k_norm(qkv[:, heads : heads + kv].transpose(1, 2)).transpose(1, 2)
@@ -203,10 +209,29 @@ class ModelRunner:
         qk = _rope(qk, cos, sin)  # one rope over q and k together
         return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv :]
 
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The HF RMSNorm as one ``rms_norm`` call when fused and in float32, where HF's upcast to float32 is a
+        no-op and the two compute the same; other dtypes keep HF's own module (it normalises in float32)."""
+        if self.fused is None or x.dtype != torch.float32:
+            return norm(x)
+        return nn.functional.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+    def _project_unfused(
+        self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n, t, _ = h.shape
+        q = attn.q_proj(h).view(n, t, self.num_heads, self.head_dim)
+        k = attn.k_proj(h).view(n, t, self.kv_heads, self.head_dim)
+        v = attn.v_proj(h).view(n, t, self.kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
     def _mlp_block(self, li: int, x: torch.Tensor) -> torch.Tensor:
         layer = self.model.model.layers[li]
-        h = layer.post_attention_layernorm(x)
-        gate_up = self.fused[li].gate_up_weight
+        h = self._norm(layer.post_attention_layernorm, x)
+        gate_up = self.fused[li].gate_up_weight if self.fused is not None else None
         if gate_up is None:
             return x + layer.mlp(h)
         gate, up = nn.functional.linear(h, gate_up).chunk(2, dim=-1)
@@ -259,7 +284,7 @@ class ModelRunner:
         row_index = torch.tensor(list(rows), dtype=torch.long, device=self.device)
         x = self.model.model.embed_tokens(ids)
         for li, layer in enumerate(self.model.model.layers):
-            q, k, v = self._project(li, layer.input_layernorm(x), cos, sin)
+            q, k, v = self._project(li, self._norm(layer.input_layernorm, x), cos, sin)
             self.cache.k[li][row_index, :, :t] = k
             self.cache.v[li][row_index, :, :t] = v
             o = nn.functional.scaled_dot_product_attention(
@@ -269,7 +294,7 @@ class ModelRunner:
             x = self._mlp_block(li, x)
         seq_index = torch.tensor([i for i, ps in enumerate(positions) for _ in ps], device=self.device)
         pos_index = torch.tensor([p for ps in positions for p in ps], device=self.device)
-        hidden = self.model.model.norm(x[seq_index, pos_index])
+        hidden = self._norm(self.model.model.norm, x[seq_index, pos_index])
         logits = self.model.lm_head(hidden).float()
         return list(torch.split(logits, [len(ps) for ps in positions]))
 
@@ -289,7 +314,7 @@ class ModelRunner:
         bias = bias.masked_fill_(~keep, float("-inf")).view(b, 1, 1, length)
         x = self.model.model.embed_tokens(tokens).unsqueeze(1)  # [B, 1, hidden]
         for li, layer in enumerate(self.model.model.layers):
-            q, k, v = self._project(li, layer.input_layernorm(x), cos, sin)
+            q, k, v = self._project(li, self._norm(layer.input_layernorm, x), cos, sin)
             kc, vc = self.cache.k[li], self.cache.v[li]
             kc[rows, :, positions] = k[:, :, 0]
             vc[rows, :, positions] = v[:, :, 0]
@@ -300,4 +325,4 @@ class ModelRunner:
             o = torch.matmul(probs, values).reshape(b, 1, self.num_heads * self.head_dim)
             x = x + layer.self_attn.o_proj(o)
             x = self._mlp_block(li, x)
-        return self.model.lm_head(self.model.model.norm(x[:, 0])).float()
+        return self.model.lm_head(self._norm(self.model.model.norm, x[:, 0])).float()
