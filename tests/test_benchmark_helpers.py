@@ -109,12 +109,20 @@ def test_mean_curve_averages_seeds_point_by_point() -> None:
 
 
 def _result_file(
-    tmp_path: Path, name: str, seeds: list[int], trl: list, ours: list, model: str = "warm"
+    tmp_path: Path,
+    name: str,
+    seeds: list[int],
+    trl: list,
+    ours: list,
+    model: str = "warm",
+    model_sha256: str | None = None,
 ) -> Path:
     """A vs_trl result written by ``summarise`` itself from hand-made per-seed curves."""
     from benchmarks.vs_trl.__main__ import summarise
 
     params = {"recipe": {"heldout": 100, "steps": 10}, "eta": 1, "seeds": seeds, "model": model}
+    if model_sha256:
+        params["model_sha256"] = model_sha256
     runs = {
         "mode": "full",
         "params": params,
@@ -220,3 +228,22 @@ def test_keep_runs_leaves_the_run_directories_and_refuses_a_used_one(tmp_path: P
     assert (kept / "s0-eta1").is_dir()
     with pytest.raises(SystemExit, match="not empty"), runs_directory(kept):
         pass
+
+
+def test_pooling_refuses_the_same_model_path_with_other_weights(tmp_path: Path) -> None:
+    from benchmarks.vs_trl.__main__ import main, model_fingerprint
+
+    model = tmp_path / "warm"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights one")
+    first = model_fingerprint(model)
+    (model / "model.safetensors").write_bytes(b"weights two")
+    assert model_fingerprint(model) != first
+    trl = [curve((0, 0, 0.4), (5, 10, 0.5))]
+    ours = [curve((0, 0, 0.4), (5, 4, 0.6))]
+    a = _result_file(tmp_path, "a.json", [0], trl, ours, model_sha256=first)
+    b = _result_file(tmp_path, "b.json", [1], trl, ours, model_sha256=model_fingerprint(model))
+    with pytest.raises(SystemExit, match="model_sha256 differs"):
+        main(["--from-json", str(a), str(b), "--out", str(tmp_path / "p.json")])
+    old = _result_file(tmp_path, "old.json", [2], trl, ours)  # written before the fingerprint: no check
+    assert main(["--from-json", str(a), str(old), "--out", str(tmp_path / "p.json")]) == 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import statistics
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=None,
         help="run nothing: recompute the summary from these result files' per-seed curves (their seeds are "
-        "pooled; they must share the recipe, eta and model)",
+        "pooled; they must share the recipe, eta, model path and, where recorded, its weights' SHA-256)",
     )
     parser.add_argument(
         "--keep-runs",
@@ -200,12 +201,23 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         "seeds": list(range(args.first_seed, args.first_seed + seeds)),
         "streamrl_steps": streamrl_steps,
         "model": str(model_dir),
+        "model_sha256": model_fingerprint(model_dir),
         "eta": args.eta,
         "trl_config": trl["trl_config"],
         "streamrl_deployment": deployment(recipe),
     }
     mode = "quick" if args.quick else "full"
     return {"mode": mode, "params": params, "curves_per_seed": per_seed, "streamrl_runs": runs}
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """The SHA-256 of the model's weights file: a warm model rebuilt on another machine keeps its path and may
+    not keep its weights, and runs pooled across sittings must share them."""
+    digest = hashlib.sha256()
+    with (Path(model_dir) / "model.safetensors").open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 @contextlib.contextmanager
@@ -237,6 +249,11 @@ def pooled_runs(docs: list[dict[str, Any]]) -> dict[str, Any]:
                 raise SystemExit(
                     f"--from-json: {key} differs: {doc['params'].get(key)} vs {first['params'].get(key)}"
                 )
+        ours, theirs = doc["params"].get("model_sha256"), first["params"].get("model_sha256")
+        if ours and theirs and ours != theirs:  # files from before the fingerprint carry none
+            raise SystemExit(
+                f"--from-json: model_sha256 differs: {ours} vs {theirs} (the same path, other weights)"
+            )
     seeds = [s for doc in docs for s in _seed_list(doc["params"]["seeds"])]
     if len(set(seeds)) != len(seeds):
         raise SystemExit(f"--from-json: a seed appears twice among {seeds}")
