@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from streamrl.config import METRICS_PORT_OFFSETS
 from tests.prom import scrape
 
 pytestmark = pytest.mark.timeout(1200)
@@ -52,11 +53,12 @@ def metrics_base_port() -> int:
     range_file = Path("/proc/sys/net/ipv4/ip_local_port_range")
     if range_file.is_file():
         ephemeral_low = int(range_file.read_text().split()[0])
+    span = max(METRICS_PORT_OFFSETS.values()) + 1  # every role's endpoint, one rollout worker
     for _ in range(100):
-        base = random.randrange(max(1024, ephemeral_low - 12000), ephemeral_low - 16)
-        if all(port_is_free(base + offset) for offset in range(12)):
+        base = random.randrange(max(1024, ephemeral_low - 12000), ephemeral_low - span)
+        if all(port_is_free(base + offset) for offset in range(span)):
             return base
-    raise RuntimeError(f"no 12 free ports in a row below the ephemeral range ({ephemeral_low})")
+    raise RuntimeError(f"no {span} free ports in a row below the ephemeral range ({ephemeral_low})")
 
 
 def port_is_free(port: int) -> bool:
