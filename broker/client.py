@@ -32,9 +32,12 @@ class ConnectionStats:
     connects: int = 0
 
 
-def connect(url: str, config: BrokerConfig | None = None) -> aioredis.Redis:
+LEARNER_CLIENT_NAME = "streamrl-learner"  # the learner's connections (the embedded Redis stops after them)
+
+
+def connect(url: str, config: BrokerConfig | None = None, name: str | None = None) -> aioredis.Redis:
     """An asyncio Redis client for ``url`` with retries, back-off, health checks and socket timeouts from
-    ``config``. Responses are bytes (payloads are binary)."""
+    ``config``; ``name`` is its CLIENT SETNAME. Responses are bytes (payloads are binary)."""
     cfg = config or BrokerConfig()
     if cfg.tune_allocator:
         tune_allocator()
@@ -56,6 +59,7 @@ def connect(url: str, config: BrokerConfig | None = None) -> aioredis.Redis:
         socket_keepalive=True,
         redis_connect_func=on_connect,
         decode_responses=False,
+        client_name=name,
     )
     client.streamrl_stats = stats  # type: ignore[attr-defined]
     return client
@@ -115,9 +119,16 @@ class BrokerKeys:
     dead_letter: str  # stream of entries that failed to decode/validate or were delivered too often
     dropped: str  # durable stream of groups dropped by the learner, with the reason
     dropped_index: str  # hash group id -> entry id in the dropped stream (the ledger is keyed by group id)
+    outcomes: (
+        str  # hash group id -> the group's final outcome (broker.outcomes): trained, dropped, dead-lettered
+    )
+    outcome_conflicts: str  # hash group id -> a second outcome that differed from the first (trained twice)
     counters: str  # hash of broker counters that dashboards read
     version: str  # the published policy version
     version_token: str  # the token of the last publication, so a retried publish is recognised
+    lineage: (
+        str  # hash version -> resume point (broker.staleness.Lineage): the weights a resumed version holds
+    )
     control: str  # control stream of version announcements (also the pub/sub channel name)
 
     @classmethod
@@ -132,9 +143,12 @@ class BrokerKeys:
             dead_letter=shared.key(config.dead_letter_stream),
             dropped=shared.key(config.dropped_stream),
             dropped_index=shared.key(f"{config.dropped_stream}:index"),
+            outcomes=shared.key("outcomes"),
+            outcome_conflicts=shared.key("outcomes:conflicts"),
             counters=shared.key("broker:counters"),
             version=shared.key("policy_version"),
             version_token=shared.key("policy_version:token"),
+            lineage=shared.key("policy_version:lineage"),
             control=shared.key(config.control_stream),
         )
 

@@ -38,28 +38,35 @@ from redis.exceptions import ResponseError
 from broker.client import BrokerKeys, connection_stats
 from broker.codec import decode
 from broker.config import BrokerConfig, SharedConfig
+from broker.outcomes import RECORDS_LUA, Outcome
 from broker.record import KNOWN_SCHEMA_VERSIONS, RecordError, TrajectoryGroup
 
-_ACK = """
--- KEYS: 1 stream, 2 backlog counter, 3 group-id hash, 4 acked set, 5 counters hash
+_ACK = (
+    RECORDS_LUA
+    + """
+-- KEYS: 1 stream, 2 backlog counter, 3 group-id hash, 4 acked set, 5 counters hash, 6 outcomes, 7 conflicts
 -- ARGV: 1 consumer group, 2 mode ('ack' | 'dup'), 3 primary group ('1' | '0'), 4 n,
---       n ids, n group ids, n payload keys ('' when unknown: read from the entry)
+--       n ids, n group ids ('' when unknown), n payload keys ('' inline, '?' unknown: read from the entry),
+--       n outcome documents ('' for none; recorded for the group whether or not its entry was still pending)
 local n = tonumber(ARGV[4])
 local done, counted = 0, 0
 for i = 1, n do
-  local id, gid, ref = ARGV[4 + i], ARGV[4 + n + i], ARGV[4 + 2 * n + i]
-  if redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
-    done = done + 1
-    if gid == '' then
-      local e = redis.call('XRANGE', KEYS[1], id, id)
-      if #e == 1 then
-        local f = e[1][2]
-        for j = 1, #f, 2 do
-          if f[j] == 'gid' then gid = f[j + 1] end
-          if f[j] == 'ref' then ref = f[j + 1] end
-        end
+  local id, gid, ref, doc = ARGV[4 + i], ARGV[4 + n + i], ARGV[4 + 2 * n + i], ARGV[4 + 3 * n + i]
+  if gid == '' or ref == '?' then
+    local e = redis.call('XRANGE', KEYS[1], id, id)
+    local entry_ref = ''
+    if #e == 1 then
+      local f = e[1][2]
+      for j = 1, #f, 2 do
+        if f[j] == 'gid' and gid == '' then gid = f[j + 1] end
+        if f[j] == 'ref' then entry_ref = f[j + 1] end
       end
     end
+    ref = entry_ref
+  end
+  if doc ~= '' and gid ~= '' then record_outcome(KEYS[6], KEYS[7], gid, doc) end
+  if redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
+    done = done + 1
     if gid ~= '' then
       if ARGV[2] == 'ack' then redis.call('SADD', KEYS[4], gid) end
       -- only the entry the producer script added counts in the backlog and owns its payload key
@@ -76,18 +83,23 @@ if done > 0 then
 end
 return done
 """
+)
 
-_DEAD_LETTER = """
--- KEYS: 1 stream, 2 dead-letter stream, 3 backlog counter, 4 group-id hash, 5 counters hash
+_DEAD_LETTER = (
+    RECORDS_LUA
+    + """
+-- KEYS: 1 stream, 2 dead-letter stream, 3 backlog counter, 4 group-id hash, 5 counters hash, 6 outcomes,
+--       7 conflicts
 -- ARGV: 1 consumer group, 2 entry id, 3 group id or '', 4 reason, 5 error, 6 consumer, 7 deliveries,
---       8 primary group ('1' | '0'), 9 payload key or '', 10.. raw field name/value pairs
+--       8 primary group ('1' | '0'), 9 payload key or '', 10 outcome document, 11.. raw field name/value pairs
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 local t = redis.call('TIME')
 local fields = {'reason', ARGV[4], 'error', ARGV[5], 'entry_id', ARGV[2], 'gid', ARGV[3],
   'consumer_group', ARGV[1], 'consumer', ARGV[6], 'deliveries', ARGV[7],
   'ts', t[1] .. '.' .. string.format('%06d', tonumber(t[2]))}
-for i = 10, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 11, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('XADD', KEYS[2], '*', unpack(fields))
+if ARGV[8] == '1' and ARGV[3] ~= '' then record_outcome(KEYS[6], KEYS[7], ARGV[3], ARGV[10]) end
 if ARGV[8] == '1' and ARGV[3] ~= '' and redis.call('HGET', KEYS[4], ARGV[3]) == ARGV[2] then
   redis.call('DECR', KEYS[3])
   if ARGV[9] ~= '' then redis.call('UNLINK', ARGV[9]) end
@@ -96,21 +108,18 @@ redis.call('HINCRBY', KEYS[5], 'dead_lettered', 1)
 redis.call('HINCRBY', KEYS[5], 'dead_lettered:' .. ARGV[4], 1)
 return 1
 """
+)
 
-_DROP = """
+_DROP = (
+    RECORDS_LUA
+    + """
 -- KEYS: 1 dropped stream, 2 dropped index hash, 3 counters hash
 -- ARGV: 1 group id, 2 reason, 3.. field name/value pairs
-local existing = redis.call('HGET', KEYS[2], ARGV[1])
-if existing then return existing end
-local t = redis.call('TIME')
-local fields = {'gid', ARGV[1], 'reason', ARGV[2], 'ts', t[1] .. '.' .. string.format('%06d', tonumber(t[2]))}
+local fields = {}
 for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
-local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
-redis.call('HSET', KEYS[2], ARGV[1], id)
-redis.call('HINCRBY', KEYS[3], 'dropped', 1)
-redis.call('HINCRBY', KEYS[3], 'dropped:' .. ARGV[2], 1)
-return id
+return record_drop(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], fields)
 """
+)
 
 _TRIM = """
 -- KEYS: 1 stream. Trim below the oldest entry that any consumer group has pending or not yet delivered.
@@ -407,36 +416,60 @@ class Consumer:
             raw += [b"raw:" + (k if isinstance(k, bytes) else k.encode()), v]
         if e.ref and e.payload is not None:
             raw += [b"payload", e.payload]
+        outcome = Outcome("dead_lettered", reason=bad.reason, source="consumer", entry_id=e.entry_id)
         args = [self.group_name, e.entry_id, e.gid, bad.reason, bad.error, self.name, e.deliveries]
-        args += ["1" if self.counts_backlog else "0", e.ref, *raw]
+        args += ["1" if self.counts_backlog else "0", e.ref, outcome.to_json(), *raw]
         keys = [self.keys.stream, self.keys.dead_letter, self.keys.backlog, self.keys.group_ids]
-        await self._dead_letter(keys=keys + [self.keys.counters], args=args)
+        keys += [self.keys.counters, self.keys.outcomes, self.keys.outcome_conflicts]
+        await self._dead_letter(keys=keys, args=args)
 
     # ----- acknowledging --------------------------------------------------------------------------------
 
-    async def ack(self, entries: list[str] | list[Delivery]) -> int:
+    async def ack(
+        self,
+        entries: list[str] | list[Delivery],
+        outcomes: list[tuple[str, Outcome] | None] | None = None,
+    ) -> int:
         """Acknowledge entries (ids or deliveries) and take them off the backlog; returns how many were pending
-        (a repeated ack returns 0 and changes nothing). Call only once their effect is durable."""
+        (a repeated ack returns 0 and changes nothing). Call only once their effect is durable.
+
+        ``outcomes``, one per entry (None: none), are ``(group id, final outcome)`` pairs recorded in the same
+        atomic step (broker.outcomes), so an acknowledged group always has its outcome; a repeat records
+        nothing new."""
         ids = [e.entry_id if isinstance(e, Delivery) else e for e in entries]
         if not ids:
             return 0
-        known = [self._handed.get(i, ("", "")) for i in ids]
-        done = await self._run_ack(ids, [g for g, _ in known], [r for _, r in known], mode="ack")
+        outcomes = outcomes if outcomes is not None else [None] * len(ids)
+        if len(outcomes) != len(ids):
+            raise ValueError(f"{len(outcomes)} outcomes for {len(ids)} entries")
+        gids, refs, docs = [], [], []
+        for entry_id, outcome in zip(ids, outcomes, strict=True):
+            gid, ref = self._handed.get(entry_id, ("", "?"))  # not handed out here: the entry says
+            gids.append(gid or (outcome[0] if outcome else ""))
+            refs.append(ref)
+            docs.append(outcome[1].to_json() if outcome else "")
+        done = await self._run_ack(ids, gids, refs, mode="ack", docs=docs)
         for entry_id in ids:
             gid, _ = self._handed.pop(entry_id, ("", ""))
             if gid and self._handed_gids.get(gid) == entry_id:
                 del self._handed_gids[gid]
         return done
 
-    async def _run_ack(self, ids: list[str], gids: list[str], refs: list[str], mode: str) -> int:
+    async def _run_ack(
+        self, ids: list[str], gids: list[str], refs: list[str], mode: str, docs: list[str] | None = None
+    ) -> int:
         keys = [
             self.keys.stream,
             self.keys.backlog,
             self.keys.group_ids,
             self.keys.acked(self.group_name),
             self.keys.counters,
+            self.keys.outcomes,
+            self.keys.outcome_conflicts,
         ]
-        args = [self.group_name, mode, "1" if self.counts_backlog else "0", len(ids), *ids, *gids, *refs]
+        docs = docs if docs is not None else [""] * len(ids)
+        primary = "1" if self.counts_backlog else "0"
+        args = [self.group_name, mode, primary, len(ids), *ids, *gids, *refs, *docs]
         return int(await self._ack(keys=keys, args=args))
 
     async def is_duplicate(self, group_id: str) -> bool:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 
+import redis
+
+from broker.client import LEARNER_CLIENT_NAME
 from broker.config import RedisServerConfig, SharedConfig
 from broker.configlib import Section, role_main
 from broker.server import EmbeddedRedis, RedisServerError
@@ -45,8 +49,31 @@ def run_redis(shared: SharedConfig, config: RedisServerConfig, metrics_port: int
     log.info("stopping redis")
     if metrics is not None:
         metrics.stop()
+    _wait_for_clients_to_leave(server.url, config.drain_timeout_s)
     server.stop()
     return 0
+
+
+OWN_CLIENT_NAME = "streamrl-redis-role"  # this process's own connections
+
+
+def _wait_for_clients_to_leave(url: str, timeout_s: float) -> None:
+    """Stop after the learner: when every role is told to stop at once (their supervisor died), the learner's
+    final checkpoint still needs Redis to acknowledge what it contains. Waits until no learner connection is
+    left, at most ``timeout_s``."""
+    client = redis.Redis.from_url(url, socket_timeout=2, client_name=OWN_CLIENT_NAME)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            learners = [c for c in client.client_list() if c.get("name", "").startswith(LEARNER_CLIENT_NAME)]
+            if not learners:
+                return
+            time.sleep(0.2)
+        log.warning("the learner is still connected after %.0f s: stopping anyway", timeout_s)
+    except redis.RedisError as exc:
+        log.warning("could not list clients before stopping: %s", exc)
+    finally:
+        client.close()
 
 
 def _start_metrics(host: str, port: int | None, url: str):  # noqa: ANN202 - MetricsServer | None
@@ -55,7 +82,7 @@ def _start_metrics(host: str, port: int | None, url: str):  # noqa: ANN202 - Met
     from broker.prometheus import redis_info_source, start_metrics_server
 
     try:
-        return start_metrics_server(host, port, "redis", redis_info_source(url))
+        return start_metrics_server(host, port, "redis", redis_info_source(url, client_name=OWN_CLIENT_NAME))
     except OSError as exc:
         log.warning("no Prometheus endpoint for redis on port %d: %s", port, exc)
         return None

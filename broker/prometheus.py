@@ -250,12 +250,14 @@ def add_metrics_route(
 REDIS_INFO_SECTIONS = ("server", "clients", "memory", "persistence", "stats")
 
 
-def redis_info_source(url: str, timeout_s: float = 2.0) -> MetricsSource:
+def redis_info_source(url: str, timeout_s: float = 2.0, client_name: str | None = None) -> MetricsSource:
     """A source for the ``redis`` role: the numeric fields of INFO (memory, clients, persistence / AOF, command
     stats) of the server at ``url``, read with a plain client on every scrape (``timeout_s`` bounds it)."""
     import redis
 
-    client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    client = redis.Redis.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, client_name=client_name
+    )
 
     def source() -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -7,6 +7,7 @@ directory replays the AOF, so acknowledged writes survive a ``kill -9`` of the s
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
@@ -19,6 +20,9 @@ from pathlib import Path
 import redis
 
 from broker.config import RedisServerConfig
+from broker.lifecycle import ProcessRecord, die_with_parent, read_records, stop_leftovers, write_records
+
+log = logging.getLogger("streamrl.redis")
 
 
 class RedisServerError(RuntimeError):
@@ -45,6 +49,18 @@ def find_server_binary(configured: str | None = None) -> str:
     return str(get_binary_path())
 
 
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could listen on ``port`` now (SO_REUSEADDR, as Redis binds: a connection of the last
+    server lingering in TIME_WAIT does not make the port busy)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -66,7 +82,11 @@ class EmbeddedRedis:
     """A Redis server owned by this process. Use as a context manager, or call start() / stop().
 
     The data directory, password file, port file and log live in ``data_dir``; a second ``start()`` on the
-    same directory (after a crash or a stop) reuses the port and password and replays the AOF.
+    same directory (after a crash or a stop) reuses the port and password and replays the AOF. The server is
+    SIGKILLed when the process that started it dies (a server without its owner would keep the run's port and
+    AOF); a server of this directory still running from an earlier owner (its pid and start time are in
+    ``data_dir/pid``) is stopped before a new one starts, and when the recorded port is taken by anything else a
+    free one is chosen (the URL file says which).
     """
 
     def __init__(self, data_dir: Path, config: RedisServerConfig | None = None) -> None:
@@ -81,12 +101,20 @@ class EmbeddedRedis:
     def _choose_port(self) -> int:
         if self.config.port:
             return self.config.port
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         port_file = self.data_dir / "port"
         if port_file.is_file():
-            return int(port_file.read_text())
+            port = int(port_file.read_text())
+            self._stop_earlier_server()
+            if port_is_free(self.config.host, port):
+                return port
+            log.warning("port %d of this Redis is taken by another process: choosing a free one", port)
         port = free_port(self.config.host)
         port_file.write_text(str(port))
         return port
+
+    def _stop_earlier_server(self) -> None:
+        stop_leftovers(read_records(self.data_dir / "pid"), self.config.stop_timeout_s, log.warning)
 
     @property
     def url(self) -> str:
@@ -116,8 +144,13 @@ class EmbeddedRedis:
             return self.url
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
-            self.command_line(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            self.command_line(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=die_with_parent(signal.SIGKILL),
         )
+        write_records(self.data_dir / "pid", [ProcessRecord.of("redis-server", self.process.pid)])
         (self.data_dir / "url").write_text(self.url + "\n")
         self._wait_ready()
         return self.url

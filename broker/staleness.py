@@ -7,32 +7,32 @@ twice (docs/losses.md, "Staleness"):
   while ``capacity() > 0``, with
 
       capacity = min(max_concurrent - running,
-                     (eta + version + 1) * groups_per_step - (accepted + running))
+                     (eta + 1) * groups_per_step + consumed - (accepted + running))
 
-  The learner consumes ``groups_per_step`` groups per version, so after version ``v`` it will have consumed
-  ``(v + 1) * groups_per_step`` groups by the end of the next step. Everything started so far (accepted or still
-  running) is consumed in order; bounding it by ``(eta + v + 1) * groups_per_step`` means a group started at
-  version ``v`` is consumed by version ``v + eta`` at the latest: at most ``eta`` versions stale. ``eta = 0``
-  allows exactly one step's worth of groups ahead of the learner: synchronous on-policy training.
-  A group that is dropped (rejected by the worker, or dropped by the learner after acceptance) no longer
-  counts, so it gives its capacity back and a replacement may start.
+  ``consumed`` is the number of groups whose training the announced policy contains: the learner sets it each
+  time it announces a version (:meth:`StalenessCounters.set_consumed`). Everything started so far (accepted or
+  still running) is consumed in order; what is not yet consumed, ``accepted + running - consumed``, is bounded
+  by ``(eta + 1) * groups_per_step``, so a group started now is consumed within ``eta + 1`` steps, i.e. by the
+  learner at most ``eta`` versions after the one it was generated with. ``eta = 0`` allows exactly one step's
+  worth of groups ahead of the learner: synchronous on-policy training. A group that is dropped (rejected by
+  the worker, or dropped by the learner after acceptance) no longer counts, so it gives its capacity back.
+  AReaL writes ``(eta + version + 1) * groups_per_step``, taking the version for the consumed steps; here the
+  version jumps on a resume (versions are never reused) and advances once per ``publish_every`` steps, so the
+  learner states the count instead. A resumed learner sets it back to its checkpoint's count, so the groups it
+  reads again are counted as not yet consumed and nothing is over-admitted.
 - At consumption, :func:`check_staleness` drops a group whose oldest token is more than ``eta`` versions
   behind the learner, with the reason ``"stale"`` and the staleness value.
 
-The formula assumes the version advances by one per ``groups_per_step`` groups consumed (it counts optimizer
-steps). A version that jumps (a resumed learner publishing a fresh version) briefly over-admits; the
-consumption filter still drops whatever that makes too stale.
-
 The counters are an injected :class:`StalenessCounters` so that every worker of the fleet shares one global
 count: :class:`InMemoryCounters` for one process and tests, :class:`RedisCounters` backed by a Redis hash
-updated by Lua scripts (atomic across processes and machines).
+updated by Lua scripts (atomic across processes and machines). :data:`COUNTERS_LUA` is the one definition of
+those updates in Lua; the prompt dispatch's lease script (``rollout_fleet.dispatch``) calls the same functions.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -41,19 +41,18 @@ from redis.exceptions import ResponseError
 
 from broker.config import SharedConfig
 
-VersionSource = Callable[[], int | Awaitable[int]]
-
 
 @dataclass(frozen=True)
 class CounterSnapshot:
-    """Admission counters, in groups. ``running`` and ``accepted`` enter the capacity formula; ``started``,
-    ``rejected`` and ``dropped`` are cumulative, for metrics."""
+    """Admission counters, in groups. ``running``, ``accepted`` and ``consumed`` enter the capacity formula;
+    ``started``, ``rejected`` and ``dropped`` are cumulative, for metrics."""
 
     running: int = 0
     accepted: int = 0
     started: int = 0
     rejected: int = 0
     dropped: int = 0
+    consumed: int = 0
 
 
 class CounterError(RuntimeError):
@@ -68,8 +67,9 @@ class StalenessCounters(Protocol):
     async def start(self, n: int) -> None:
         """running += n, started += n, unconditionally."""
 
-    async def try_start(self, n: int, max_running: int, max_outstanding: int) -> bool:
-        """Start n groups iff running + n <= max_running and accepted + running + n <= max_outstanding."""
+    async def try_start(self, n: int, max_running: int, base_outstanding: int) -> bool:
+        """Start n groups iff running + n <= max_running and accepted + running + n <= base_outstanding +
+        consumed."""
 
     async def accept(self, n: int) -> None:
         """running -= n, accepted += n (a finished group went into the stream)."""
@@ -79,6 +79,9 @@ class StalenessCounters(Protocol):
 
     async def drop(self, n: int) -> None:
         """accepted -= n, dropped += n (the learner dropped an accepted group without training on it)."""
+
+    async def set_consumed(self, n: int) -> None:
+        """consumed = n: the announced policy contains the training of n groups (the learner only)."""
 
 
 class InMemoryCounters:
@@ -104,9 +107,9 @@ class InMemoryCounters:
         self._move(None, "running", n)
         self._move(None, "started", n)
 
-    async def try_start(self, n: int, max_running: int, max_outstanding: int) -> bool:
+    async def try_start(self, n: int, max_running: int, base_outstanding: int) -> bool:
         c = self._c
-        if c.running + n > max_running or c.accepted + c.running + n > max_outstanding:
+        if c.running + n > max_running or c.accepted + c.running + n > base_outstanding + c.consumed:
             return False
         await self.start(n)
         return True
@@ -120,31 +123,54 @@ class InMemoryCounters:
     async def drop(self, n: int) -> None:
         self._move("accepted", "dropped", n)
 
+    async def set_consumed(self, n: int) -> None:
+        _check_consumed(n)
+        self._c = CounterSnapshot(**{**vars(self._c), "consumed": n})
 
-_MOVE_LUA = """
-local n = tonumber(ARGV[3])
-if ARGV[1] ~= '' then
-  local have = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
-  if have < n then
-    return redis.error_reply('cannot move ' .. n .. ' from ' .. ARGV[1] .. ' = ' .. have .. ' to ' .. ARGV[2])
+
+# The admission counters' transitions, as Lua functions over the counters hash. RedisCounters' scripts and the
+# dispatch's lease script (which grants a prompt and admits it in one step) are built from these.
+COUNTERS_LUA = """
+-- admit: running += n, started += n iff running + n <= max_running and
+--   accepted + running + n <= base + consumed (base = (eta + 1) * groups_per_step). Returns 1, or 0 (wait).
+local function admit(key, n, max_running, base)
+  local running = tonumber(redis.call('HGET', key, 'running') or '0')
+  local accepted = tonumber(redis.call('HGET', key, 'accepted') or '0')
+  local consumed = tonumber(redis.call('HGET', key, 'consumed') or '0')
+  if running + n > max_running or accepted + running + n > base + consumed then return 0 end
+  redis.call('HINCRBY', key, 'running', n)
+  redis.call('HINCRBY', key, 'started', n)
+  return 1
+end
+-- move: src -= n, dst += n iff src >= n (src '' only adds). Returns 1, or 0 when src holds less than n.
+local function move(key, src, dst, n)
+  if src ~= '' then
+    local have = tonumber(redis.call('HGET', key, src) or '0')
+    if have < n then return 0 end
+    redis.call('HINCRBY', key, src, -n)
   end
-  redis.call('HINCRBY', KEYS[1], ARGV[1], -n)
+  redis.call('HINCRBY', key, dst, n)
+  return 1
 end
-redis.call('HINCRBY', KEYS[1], ARGV[2], n)
-return 1
 """
 
-_TRY_START_LUA = """
-local n = tonumber(ARGV[1])
-local running = tonumber(redis.call('HGET', KEYS[1], 'running') or '0')
-local accepted = tonumber(redis.call('HGET', KEYS[1], 'accepted') or '0')
-if running + n > tonumber(ARGV[2]) or accepted + running + n > tonumber(ARGV[3]) then
-  return 0
+_MOVE_LUA = (
+    COUNTERS_LUA
+    + """
+if move(KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3])) == 0 then
+  local have = redis.call('HGET', KEYS[1], ARGV[1]) or '0'
+  return redis.error_reply('cannot move ' .. ARGV[3] .. ' from ' .. ARGV[1] .. ' = ' .. have .. ' to ' .. ARGV[2])
 end
-redis.call('HINCRBY', KEYS[1], 'running', n)
-redis.call('HINCRBY', KEYS[1], 'started', n)
 return 1
 """
+)
+
+_TRY_START_LUA = (
+    COUNTERS_LUA
+    + """
+return admit(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]))
+"""
+)
 
 
 class RedisCounters:
@@ -172,12 +198,12 @@ class RedisCounters:
     async def start(self, n: int) -> None:
         _check_n(n)
         # try_start with limits no count reaches: the same two increments, in one script.
-        if not await self._try_start_script(keys=[self.key], args=[n, 2**62, 2**62]):
+        if not await self._try_start_script(keys=[self.key], args=[n, 2**52, 2**52]):
             raise CounterError(f"{self.key}: unconditional start of {n} groups was refused")
 
-    async def try_start(self, n: int, max_running: int, max_outstanding: int) -> bool:
+    async def try_start(self, n: int, max_running: int, base_outstanding: int) -> bool:
         _check_n(n)
-        return bool(await self._try_start_script(keys=[self.key], args=[n, max_running, max_outstanding]))
+        return bool(await self._try_start_script(keys=[self.key], args=[n, max_running, base_outstanding]))
 
     async def accept(self, n: int) -> None:
         await self._move("running", "accepted", n)
@@ -188,22 +214,26 @@ class RedisCounters:
     async def drop(self, n: int) -> None:
         await self._move("accepted", "dropped", n)
 
+    async def set_consumed(self, n: int) -> None:
+        _check_consumed(n)
+        await self.client.hset(self.key, "consumed", n)
+
 
 def _check_n(n: int) -> None:
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"group count n = {n!r} must be a positive integer")
 
 
+def _check_consumed(n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"consumed = {n!r}: must be an int >= 0")
+
+
 class StalenessManager:
     """Admission control by the staleness bound (formula in the module docstring), counted in groups."""
 
     def __init__(
-        self,
-        eta: int,
-        groups_per_step: int,
-        max_concurrent: int,
-        version_source: VersionSource,
-        counters: StalenessCounters,
+        self, eta: int, groups_per_step: int, max_concurrent: int, counters: StalenessCounters
     ) -> None:
         if eta < 0:
             raise ValueError(f"eta = {eta} must be >= 0")
@@ -214,33 +244,24 @@ class StalenessManager:
         self.eta = eta
         self.groups_per_step = groups_per_step
         self.max_concurrent = max_concurrent
-        self.version_source = version_source
         self.counters = counters
 
-    async def version(self) -> int:
-        """The current policy version from the injected source (a plain or an async callable)."""
-        value = self.version_source()
-        if inspect.isawaitable(value):
-            value = await value
-        if value < 0:
-            raise ValueError(f"policy version {value} from the version source is negative")
-        return int(value)
-
-    def max_outstanding(self, version: int) -> int:
-        """``(eta + version + 1) * groups_per_step``: groups that may be accepted or running at ``version``."""
-        return (self.eta + version + 1) * self.groups_per_step
+    @property
+    def base_outstanding(self) -> int:
+        """``(eta + 1) * groups_per_step``: groups that may be accepted or running beyond those consumed."""
+        return (self.eta + 1) * self.groups_per_step
 
     async def capacity(self) -> int:
-        """Groups that may start now; 0 or negative means wait (negative after the version went back)."""
-        version = await self.version()
+        """Groups that may start now; 0 or negative means wait."""
         c = await self.counters.snapshot()
-        return min(self.max_concurrent - c.running, self.max_outstanding(version) - (c.accepted + c.running))
+        return min(
+            self.max_concurrent - c.running, self.base_outstanding + c.consumed - (c.accepted + c.running)
+        )
 
     async def try_start(self, n: int = 1) -> bool:
         """Atomically start ``n`` groups if the capacity allows it: the check and the increment happen in
         one step, so concurrent workers can never overshoot the bound together."""
-        version = await self.version()
-        return await self.counters.try_start(n, self.max_concurrent, self.max_outstanding(version))
+        return await self.counters.try_start(n, self.max_concurrent, self.base_outstanding)
 
     async def on_start(self, n: int = 1) -> None:
         """Count ``n`` groups as running without checking (the caller checked :meth:`capacity`)."""
@@ -259,6 +280,67 @@ class StalenessManager:
         because the learner consumes replacements for them in the same step."""
         await self.counters.drop(n)
 
+    async def on_consumed(self, n: int) -> None:
+        """The announced policy contains the training of ``n`` groups in all (the learner, at each announcement;
+        a resumed learner states its checkpoint's count)."""
+        await self.counters.set_consumed(n)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """A resume: ``version`` was published with the weights of lineage position ``position`` (the checkpoint's),
+    and the learner had reached ``rollback`` positions beyond them on the branch it lost."""
+
+    version: int
+    position: int
+    rollback: int = 0
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """Which weights each policy version holds, as a position on the learner's line of optimizer updates.
+
+    Without resumes a version's position is the version itself. A resume publishes a checkpoint's weights under
+    a fresh version (versions are never reused), so the version number jumps while the weights go back:
+    position(v) = p + (v - v_r) for the last resume point (v_r, p) at or below v. A version of the branch the
+    crash lost keeps the position it had on that branch.
+
+    Staleness is measured in positions, ``position(learner) - position(token)``, which is exactly
+    ``learner_version - token_version`` in a run that never resumed. A resume that stops cleanly (its last
+    checkpoint is its last step) loses nothing: the groups waiting in the stream are as stale as they were. A
+    crash rolls the learner back to its last checkpoint; the groups generated before the resume on the branch
+    it lost are valid off-policy data (the engines' log-probs are theirs), so they are kept as long as they
+    are within ``eta`` plus that rollback, in either direction, of the weights being trained; groups generated
+    after the resume are held to ``eta``."""
+
+    points: tuple[ResumePoint, ...] = ()
+
+    def _point(self, version: int) -> ResumePoint:
+        below = [p for p in self.points if p.version <= version]
+        return max(below, key=lambda p: p.version) if below else ResumePoint(0, 0)
+
+    def position(self, version: int) -> int:
+        point = self._point(version)
+        return point.position + (version - point.version)
+
+    def distance(self, learner_version: int, token_version: int) -> int:
+        """Signed staleness: updates from the token's weights to the learner's (negative: the token's branch
+        is ahead of the weights the learner restored)."""
+        return self.position(learner_version) - self.position(token_version)
+
+    def allowance(self, learner_version: int, token_version: int) -> int:
+        """Extra staleness a token is allowed: the rollback of the learner's latest resume, for tokens generated
+        before it."""
+        point = self._point(learner_version)
+        return point.rollback if token_version < point.version else 0
+
+    def resumed(self, version: int, restored: int, published: int | None) -> Lineage:
+        """The lineage after a resume that publishes the weights of checkpoint version ``restored`` as
+        ``version``, the last published version before it being ``published``."""
+        position = self.position(restored)
+        lost = 0 if published is None else max(0, self.position(published) - position)
+        return Lineage((*self.points, ResumePoint(version, position, lost)))
+
 
 def staleness(learner_version: int, token_version: int) -> int:
     """Versions between the policy a token was sampled from and the learner's: ``learner - token``."""
@@ -274,21 +356,31 @@ class StalenessDecision:
     reason: str | None = None
 
 
-def check_staleness(learner_version: int, eta: int, min_token_version: int) -> StalenessDecision:
-    """Keep a group iff its oldest token is at most ``eta`` versions behind the learner.
+def check_staleness(
+    learner_version: int, eta: int, token_versions: int | Iterable[int], lineage: Lineage | None = None
+) -> StalenessDecision:
+    """Keep a group iff every token is within the bound: at most ``eta`` (plus the lineage's allowance for
+    tokens from before a resume) positions from the learner's weights, in either direction.
 
-    Reasons: ``"stale"`` (staleness > eta), ``"future_version"`` (staleness < 0: a token claims a version the
-    learner has not published, which versions that are never reused rule out; kept out of training and
-    counted rather than crashing the learner).
+    ``token_versions``: the group's oldest token version, or every distinct token version. Reasons: ``"stale"``
+    (too far), ``"future_version"`` (a token claims a version the learner has not published, which versions that
+    are never reused rule out; kept out of training and counted rather than crashing the learner).
+    ``staleness`` is the largest distance found.
     """
     if eta < 0:
         raise ValueError(f"eta = {eta} must be >= 0")
-    s = staleness(learner_version, min_token_version)
-    if s > eta:
-        return StalenessDecision(keep=False, staleness=s, reason="stale")
-    if s < 0:
-        return StalenessDecision(keep=False, staleness=s, reason="future_version")
-    return StalenessDecision(keep=True, staleness=s)
+    lineage = lineage or Lineage()
+    versions = [token_versions] if isinstance(token_versions, int) else sorted(set(token_versions))
+    worst = 0
+    for v in versions:
+        if v > learner_version:
+            return StalenessDecision(keep=False, staleness=learner_version - v, reason="future_version")
+        d = lineage.distance(learner_version, v)
+        bound = eta + lineage.allowance(learner_version, v)
+        worst = max(worst, abs(d))
+        if d > bound or -d > bound:
+            return StalenessDecision(keep=False, staleness=d, reason="stale")
+    return StalenessDecision(keep=True, staleness=worst)
 
 
 @dataclass(frozen=True)
@@ -313,13 +405,17 @@ class StalenessStats:
         return out
 
 
-def staleness_stats(learner_version: int, token_versions: Iterable[Sequence[int] | int]) -> StalenessStats:
+def staleness_stats(
+    learner_version: int, token_versions: Iterable[Sequence[int] | int], lineage: Lineage | None = None
+) -> StalenessStats:
     """Stats over every token of a step; ``token_versions`` holds versions, or per-sequence arrays of them
-    (lists, numpy arrays, tensors). No tokens gives count 0 and zeros."""
+    (lists, numpy arrays, tensors). Staleness is the lineage distance (``learner - token`` without resumes),
+    as a magnitude. No tokens gives count 0 and zeros."""
+    lineage = lineage or Lineage()
     hist: Counter[int] = Counter()
     for item in token_versions:
         values = [item] if isinstance(item, int) else _as_ints(item)
-        hist.update(learner_version - v for v in values)
+        hist.update(abs(lineage.distance(learner_version, v)) for v in values)
     count = sum(hist.values())
     if count == 0:
         return StalenessStats(count=0, min=0, mean=0.0, max=0, histogram={})

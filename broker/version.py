@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 
 from broker.client import BrokerKeys
 from broker.config import BrokerConfig, SharedConfig
+from broker.staleness import Lineage, ResumePoint
 
 CONTROL_MAXLEN = 10_000  # the control stream is trimmed approximately; the version key is the truth
 
@@ -90,6 +91,18 @@ class PolicyVersion:
         """The published version, or None if nothing was published yet."""
         raw = await self.client.get(self.keys.version)
         return None if raw is None else int(raw)
+
+    async def lineage(self) -> Lineage:
+        """Which weights each version holds (every resume so far), for staleness in positions."""
+        raw = await self.client.hgetall(self.keys.lineage)
+        points = [ResumePoint(int(v), **json.loads(doc)) for v, doc in raw.items()]
+        return Lineage(tuple(sorted(points, key=lambda p: p.version)))
+
+    async def record_resume(self, point: ResumePoint) -> None:
+        """Record that ``point.version`` will be published with the weights of ``point.position`` (before it is
+        published, so no reader ever sees the version without its lineage)."""
+        doc = json.dumps({"position": point.position, "rollback": point.rollback})
+        await self.client.hset(self.keys.lineage, str(point.version), doc)
 
     async def announcements(self, after: str = "0", count: int | None = None) -> list[Announcement]:
         """Announcements on the control stream with ids greater than ``after``, oldest first."""

@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from broker.outcomes import Outcome
+
 LATEST = "LATEST"
 
 
@@ -44,6 +46,23 @@ class LedgerEntry:
     entry_id: str
     group_id: str
     outcome: str  # "trained" or "dropped:<reason>"
+    step: int = -1  # the learner step that trained it (or at which it was dropped)
+    learner_version: int = -1  # the learner's policy version then
+
+    def final_outcome(self) -> Outcome | None:
+        """The group's durable outcome (broker.outcomes); None for a re-delivery of a group the restored
+        checkpoint already contained (its outcome was recorded with that checkpoint)."""
+        if self.outcome == "trained":
+            return Outcome("trained", self.step, learner_version=self.learner_version, entry_id=self.entry_id)
+        reason = self.outcome.split(":", 1)[-1]
+        if reason == ALREADY_CONTAINED:
+            return None
+        return Outcome(
+            "dropped", self.step, reason, learner_version=self.learner_version, entry_id=self.entry_id
+        )
+
+
+ALREADY_CONTAINED = "already_contained"  # a ledger line for a group the restored checkpoint contains
 
 
 @dataclass

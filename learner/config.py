@@ -134,6 +134,12 @@ class LearnerConfig(Section):
         "learner-0", description="Stable consumer name; a restart gets its entries back."
     )
     pg_timeout_s: float = Field(300.0, gt=0, description="Timeout of the learner's own collectives, seconds.")
+    idle_check_s: float = Field(
+        2.0,
+        gt=0,
+        description="While waiting for data, how often the learner checks for engines to bring back to the "
+        "current policy (restarted, or out of quarantine), seconds.",
+    )
     grace_s: float = Field(
         30.0, gt=0, description="SIGTERM grace: finish the step, checkpoint, exit within it."
     )

@@ -13,13 +13,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from broker.consumer import Consumer, Delivery
 from broker.record import TrajectoryGroup
-from broker.staleness import CounterError, StalenessManager, check_staleness
+from broker.staleness import CounterError, Lineage, StalenessManager, check_staleness
 from learner.advantages import compute_advantages, zero_signal_groups
-from learner.checkpoint import LedgerEntry
+from learner.checkpoint import ALREADY_CONTAINED, LedgerEntry
 from learner.config import LearnerConfig
 
 
@@ -41,14 +42,21 @@ class StepBatch:
         return [d.group for d in self.deliveries]
 
 
-def drop_reason(group: TrajectoryGroup, learner_version: int, eta: int, drop_zero_signal: bool) -> str | None:
+def drop_reason(
+    group: TrajectoryGroup,
+    learner_version: int,
+    eta: int,
+    drop_zero_signal: bool,
+    lineage: Lineage | None = None,
+) -> str | None:
     """Why a group must not be trained on at ``learner_version``, or None to keep it."""
     statuses = {s.reward_status for s in group.samples}
     if "timeout" in statuses:
         return "reward_timeout"
     if "error" in statuses:
         return "reward_error"
-    decision = check_staleness(learner_version, eta, group.min_version())
+    versions = {int(v) for s in group.samples for v in np.unique(s.versions)}
+    decision = check_staleness(learner_version, eta, versions, lineage)
     if not decision.keep:
         return decision.reason
     if drop_zero_signal and len(group.samples) > 1:
@@ -80,15 +88,19 @@ class Intake:
         )  # group ids of the restored checkpoint window (already in the weights)
         self.totals: dict[str, int] = {}  # groups by outcome (trained or a drop reason), since the run began
         self.sample_totals: dict[str, int] = {}  # samples by outcome
+        self.step = 0  # the learner step the batch being collected goes into (ledger lines carry it)
+        self.lineage = Lineage()  # which weights each version holds (a resumed learner's is not the identity)
         self._partial: StepBatch | None = None  # collected so far when next_batch ran out of time
         self._carry: list[Delivery] = []  # fetched beyond a full step: first in line for the next one
         self._last_claim = 0.0
+        self._version = 0  # the learner version of the batch being collected
 
     async def next_batch(self, learner_version: int, max_wait_s: float) -> StepBatch | None:
         """A full step's batch, or None when a stop was requested. Waits at most ``max_wait_s``, then raises
         NotReady keeping what it collected, so the caller can keep its ranks' collectives alive and retry."""
         batch = self._partial or StepBatch(deliveries=[], learner_version=learner_version)
         self._partial = None
+        self._version = batch.learner_version
         started = time.monotonic()
         while len(batch.deliveries) < self.config.groups_per_step:
             if self.should_stop():
@@ -132,12 +144,14 @@ class Intake:
         group = delivery.group
         if group.group_id in self.contained:
             # Trained (or dropped) before the crash and inside the restored weights: acknowledge, never retrain.
-            self._record(delivery, "dropped:already_contained")
+            self._record(delivery, f"dropped:{ALREADY_CONTAINED}")
             return
         if len(batch.deliveries) >= self.config.groups_per_step:
             self._carry.append(delivery)
             return
-        reason = drop_reason(group, batch.learner_version, self.eta, self.config.advantage.drop_zero_signal)
+        reason = drop_reason(
+            group, batch.learner_version, self.eta, self.config.advantage.drop_zero_signal, self.lineage
+        )
         if reason is None:
             batch.deliveries.append(delivery)
             self._record(delivery, "trained")
@@ -152,7 +166,9 @@ class Intake:
         self._record(delivery, f"dropped:{reason}")
 
     def _record(self, delivery: Delivery, outcome: str) -> None:
-        self.ledger.append(LedgerEntry(delivery.entry_id, delivery.group.group_id, outcome))
+        self.ledger.append(
+            LedgerEntry(delivery.entry_id, delivery.group.group_id, outcome, self.step, self._version)
+        )
         key = outcome.split(":", 1)[-1] if outcome != "trained" else "trained"
         self.totals[key] = self.totals.get(key, 0) + 1
         self.sample_totals[key] = self.sample_totals.get(key, 0) + len(delivery.group.samples)
@@ -167,8 +183,10 @@ class Intake:
         self.sample_totals["trained"] = self.sample_totals.get("trained", 0) - samples
 
     async def acknowledge(self, entries: list[LedgerEntry]) -> int:
-        """Acknowledge a durable checkpoint's ledger and trim the stream below the oldest pending entry."""
-        done = await self.consumer.ack([e.entry_id for e in entries])
+        """Acknowledge a durable checkpoint's ledger, recording each group's final outcome with it
+        (broker.outcomes), and trim the stream below the oldest pending entry."""
+        outcomes = [(e.group_id, o) if (o := e.final_outcome()) is not None else None for e in entries]
+        done = await self.consumer.ack([e.entry_id for e in entries], outcomes)
         await self.consumer.trim()
         return done
 

@@ -13,6 +13,7 @@ from broker.config import BrokerConfig, SharedConfig
 from broker.configlib import ConfigError, Section, dump_config, role_main
 from broker.cpus import pin_to_cpus
 from broker.discovery import resolve_redis_url
+from broker.lifecycle import die_with_parent
 from learner.config import LearnerConfig
 from learner.distributed import free_port, init_distributed
 from weight_sync.config import WeightSyncConfig
@@ -44,7 +45,9 @@ def run_rank(cfg: LearnerRoleConfig) -> int:
     if ws.engines == "none":
         publisher = VersionOnlyPublisher()
     else:
-        source = (lambda: [(u.rstrip("/"), 1) for u in ws.engine_urls]) if ws.engine_urls else None
+        source = (
+            (lambda: [(u.rstrip("/"), ws.engine_ranks) for u in ws.engine_urls]) if ws.engine_urls else None
+        )
         source = source or registry_engines(url, cfg.shared)
         publisher = WeightSyncPublisher(ws, source, info.is_main, ws.wait_for_engines_s)
     learner = Learner(cfg.shared, cfg.broker, cfg.learner, info, publisher, url)
@@ -62,15 +65,27 @@ def run_rank(cfg: LearnerRoleConfig) -> int:
     os._exit(code)  # skip C++ static destructors of the store and backend threads, which race at exit
 
 
+# After one rank failed, how long the others get to notice (their collectives fail at once) before SIGKILL:
+# none of them can make progress without it, and checkpoints are written atomically.
+FAILED_RANK_GRACE_S = 5.0
+
+
 def spawn_ranks(cfg: LearnerRoleConfig, argv: list[str]) -> int:
-    """Start ``world_size`` rank processes and supervise them: SIGTERM is forwarded, one failure stops all."""
+    """Start ``world_size`` rank processes and supervise them: SIGTERM is forwarded, one failure stops all.
+
+    Each rank is SIGKILLed when this launcher dies: a restarted launcher's ranks must never run beside the
+    old ones (two learners consuming as one consumer, writing one checkpoint directory)."""
     port = free_port()
     world = cfg.learner.world_size
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, "-m", "learner", *argv], env=env))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "learner", *argv], env=env, preexec_fn=die_with_parent(signal.SIGKILL)
+            )
+        )
 
     def forward(signum: int, _frame: object) -> None:
         for p in procs:
@@ -88,12 +103,13 @@ def spawn_ranks(cfg: LearnerRoleConfig, argv: list[str]) -> int:
             rank, code = failed[0]
             log.error("learner rank %d exited with code %s: stopping the other ranks", rank, code)
             forward(signal.SIGTERM, None)
-            deadline = time.monotonic() + cfg.learner.grace_s
+            deadline = time.monotonic() + min(cfg.learner.grace_s, FAILED_RANK_GRACE_S)
             for p in procs:
                 try:
                     p.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     p.kill()
+                    p.wait()
             return 1
         time.sleep(0.2)
 

@@ -1,9 +1,13 @@
 """Publishers: how the learner makes new weights visible to the rollout fleet.
 
 Every learner rank calls ``publish`` (all of them take part in the FSDP2 gathers); only rank 0 holds a
-``WeightSender`` and talks to engines. The trainer announces the new version in Redis after ``publish``
-returns, i.e. after every engine in the pool confirmed the update (engines that failed were quarantined and
-left the pool; they come back from the next Hugging Face export).
+``WeightSender`` and talks to engines. ``publish`` returns a :class:`Publication`: the trainer announces the
+version in Redis only when it says so, i.e. when every engine in the pool confirmed the update and at least one
+did. Engines that failed were quarantined and left the pool; before every sync the sender probes the engines,
+and a quarantined one that answers again, or a member that restarted (its ``weight_version`` is not the one it was
+given), rejoins the group and gets the current weights in that same sync. While the learner waits for data it
+asks :meth:`WeightSyncPublisher.wants_resync` now and then, so an engine that comes back while no step runs
+still gets the policy.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import redis
 from torch import nn
@@ -24,15 +28,24 @@ from weight_sync.sender import WeightSender, sync_weights
 log = logging.getLogger("streamrl.learner.publish")
 
 
+@dataclass
+class Publication:
+    """What one ``publish`` did (rank 0's is the one that counts): ``announce`` when the version may be announced
+    in Redis (every engine in the pool has it, and at least one does), and the sync's metrics."""
+
+    announce: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 class VersionOnlyPublisher:
     """No engines to update (tests of the learner alone, or engines that reload from the HF export): the
     learner's Redis version announcement is the whole publication."""
 
-    def publish(self, model: nn.Module, version: int, initial: bool) -> dict[str, float]:
-        return {}
+    def publish(self, model: nn.Module, version: int, initial: bool) -> Publication:
+        return Publication(announce=True)
 
-    def after_export(self, export_dir: Path, version: int) -> None:
-        pass
+    def wants_resync(self) -> bool:
+        return False
 
     def close(self) -> None:
         pass
@@ -90,30 +103,46 @@ class WeightSyncPublisher:
             log.info("engine membership changed: %s -> %s; rebuilding the update group", known, current)
             self.sender.set_engines(current)  # rebuilds the group with the engines present
 
-    def publish(self, model: nn.Module, version: int, initial: bool) -> dict[str, float]:
+    def publish(self, model: nn.Module, version: int, initial: bool) -> Publication:
         if initial:
-            return {}  # engines start from the same weights, labelled "0"
-        self._refresh_membership()
+            return Publication(announce=True)  # engines start from the same weights, labelled "0"
+        rejoined: dict[str, str] = {}
+        if self.sender is not None:
+            self._refresh_membership()
+            rejoined = self.sender.rejoin()
         result = sync_weights(model, version, self.sender)
-        if result is None:
-            return {}
+        if result is None:  # not rank 0: rank 0's publication decides
+            return Publication(announce=True)
+        assert self.sender is not None
         if result.engines_failed:
-            log.error("weight sync v%d: engines failed and left the pool: %s", version, result.engines_failed)
-        return {
-            "sync_seconds": result.seconds,
-            "sync_paused_seconds": result.paused_seconds,
-            "sync_bytes": float(result.bytes),
-            "sync_engines_ok": float(len(result.engines_ok)),
-            "sync_engines_failed": float(len(result.engines_failed)),
-        }
+            log.error("weight sync v%d: engines failed: %s", version, result.engines_failed)
+        pool = {e.url for e in self.sender.healthy}
+        announce = bool(result.engines_ok) and pool <= set(result.engines_ok)
+        if not announce:
+            log.error(
+                "weight sync v%d reached %s of the pool %s: version not announced; the learner retries",
+                version, result.engines_ok or "none", sorted(pool),
+            )  # fmt: skip
+        return Publication(
+            announce=announce,
+            metrics={
+                "sync_seconds": result.seconds,
+                "sync_paused_seconds": result.paused_seconds,
+                "sync_bytes": float(result.bytes),
+                "sync_engines_ok": float(len(result.engines_ok)),
+                "sync_engines_failed": float(len(result.engines_failed)),
+                "sync_engines_quarantined": float(len(result.quarantined)),
+                "sync_engines_rejoined": float(len(rejoined)),
+            },
+        )
 
-    def after_export(self, export_dir: Path, version: int) -> None:
-        """Bring quarantined engines back from a fresh Hugging Face export of ``version``'s weights."""
+    def wants_resync(self) -> bool:
+        """Rank 0, while no step runs: whether an engine is back (or restarted) and should get the current weights
+        now rather than at the next step's sync."""
         if self.sender is None:
-            return
-        for url in list(self.sender.quarantined):
-            ok = self.sender.recover(url, str(export_dir), str(version), wait_s=5.0)
-            log.info("recovery of %s from %s: %s", url, export_dir, "ok" if ok else "still quarantined")
+            return False
+        back, _ = self.sender.rejoin_plan()
+        return bool(back)
 
     def close(self) -> None:
         if self.sender is not None:

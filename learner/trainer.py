@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from broker.client import connect
+from broker.client import LEARNER_CLIENT_NAME, connect
 from broker.config import BrokerConfig, SharedConfig
 from broker.consumer import Consumer
 from broker.metrics import MetricsWriter
 from broker.record import TrajectoryGroup
-from broker.staleness import RedisCounters, StalenessManager, staleness_stats
+from broker.staleness import Lineage, RedisCounters, StalenessManager, staleness_stats
 from broker.version import PolicyVersion
 from learner.attention import register_shared_prompt_attention
 from learner.checkpoint import CheckpointManager, CheckpointMeta, LedgerEntry, export_hf
@@ -35,17 +35,19 @@ from learner.config import LearnerConfig
 from learner.distributed import DistInfo, shard_model
 from learner.intake import Intake, NotReady, StepBatch, group_advantages, run_coroutine
 from learner.packing import MicroBatch, StepInputs, TrainSequence, step_inputs
+from learner.publish import Publication
 from learner.step import train_step
 
 log = logging.getLogger("streamrl.learner")
 
 
 class Publisher(Protocol):
-    """Makes new weights visible: every rank calls ``publish``; it returns metrics (rank 0's are used)."""
+    """Makes new weights visible: every rank calls ``publish`` (rank 0's :class:`Publication` decides whether the
+    version is announced); rank 0 asks ``wants_resync`` while it waits for data."""
 
-    def publish(self, model: nn.Module, version: int, initial: bool) -> dict[str, float]: ...
+    def publish(self, model: nn.Module, version: int, initial: bool) -> Publication: ...
 
-    def after_export(self, export_dir: Path, version: int) -> None: ...
+    def wants_resync(self) -> bool: ...
 
     def close(self) -> None: ...
 
@@ -56,6 +58,7 @@ class StepPayload:
 
     stop: bool
     idle: bool = False  # no batch yet: the ranks just loop (keeps collectives inside their timeout)
+    resync: bool = False  # idle, and an engine needs the current weights (it came back, or a sync failed)
     micro_batches: list[MicroBatch] = field(default_factory=list)
     temperatures: list[torch.Tensor] = field(default_factory=list)
     normaliser: float = 1.0
@@ -110,7 +113,9 @@ def plan_step_inputs(
     )
 
 
-def batch_metrics(batch: StepBatch, config: LearnerConfig) -> dict[str, float]:
+def batch_metrics(
+    batch: StepBatch, config: LearnerConfig, lineage: Lineage | None = None
+) -> dict[str, float]:
     """Reward, advantage and staleness statistics of a step's groups."""
     groups = batch.groups
     rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float64)
@@ -131,7 +136,7 @@ def batch_metrics(batch: StepBatch, config: LearnerConfig) -> dict[str, float]:
             for name, value in s.reward_components.items():
                 components.setdefault(name, []).append(value)
     out.update({f"reward/{k}": sum(v) / len(v) for k, v in components.items()})
-    stats = staleness_stats(batch.learner_version, [s.versions for g in groups for s in g.samples])
+    stats = staleness_stats(batch.learner_version, [s.versions for g in groups for s in g.samples], lineage)
     out.update(stats.as_metrics())
     out.update({f"dropped/{k}": float(v) for k, v in batch.dropped.items()})
     return out
@@ -164,6 +169,8 @@ class Learner:
         self._checkpointed_step = self.step
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wandb: Any = None
+        self._announced: int | None = None  # the last version announced in Redis by this process
+        self._last_resync_check = 0.0
         self.model, self.optimizer, self.scheduler = self._build_model()
 
     # ----- setup -------------------------------------------------------------------------------------------
@@ -197,24 +204,20 @@ class Learner:
         threading.Thread(target=self._loop.run_forever, name="learner-redis", daemon=True).start()
 
         async def make() -> None:
-            client = connect(self.redis_url, self.broker_config)
+            client = connect(self.redis_url, self.broker_config, name=LEARNER_CLIENT_NAME)
             self.client = client
             self.consumer = Consumer(client, self.shared, self.broker_config, self.config.consumer_name)
             await self.consumer.ensure_group()
             self.policy_version = PolicyVersion(client, self.shared, self.broker_config)
             self.metrics = MetricsWriter(client, self.shared, "learner")
             admission = StalenessManager(
-                self.shared.eta, self.config.groups_per_step, 1 << 30, self._current_version,
-                RedisCounters(client, self.shared),
-            )  # fmt: skip
+                self.shared.eta, self.config.groups_per_step, 1 << 30, RedisCounters(client, self.shared)
+            )
             self.intake = Intake(
                 self.consumer, admission, self.config, self.shared.eta, self.stop_requested.is_set
             )
 
         self._call(make())
-
-    def _current_version(self) -> int:
-        return self.version
 
     def _call(self, coro, timeout_s: float | None = None):  # noqa: ANN001, ANN202
         assert self._loop is not None
@@ -250,24 +253,61 @@ class Learner:
             self._publish(initial=True)
         else:
             # Versions are never reused: the restored weights get a fresh one, above every published version.
-            self.version = max(published, meta.policy_version if meta else 0) + 1
+            restored = meta.policy_version if meta else 0
+            self.version = max(published, restored) + 1
+            if self.info.is_main:
+                self._record_resume(restored, published)
             self._publish(initial=False)
 
+    def _record_resume(self, restored: int, published: int) -> None:
+        """Rank 0: the fresh version holds the checkpoint's weights (``restored``'s); staleness is measured by
+        weights from now on (broker.staleness.Lineage), so the resume itself makes no group stale."""
+        lineage = self._call(self.policy_version.lineage())
+        lineage = lineage.resumed(self.version, restored, published)
+        self._call(self.policy_version.record_resume(lineage.points[-1]))
+        self.intake.lineage = lineage
+        point = lineage.points[-1]
+        log.info(
+            "version %d holds the weights of version %d (position %d); %d position(s) rolled back",
+            self.version, restored, point.position, point.rollback,
+        )  # fmt: skip
+
     def _publish(self, initial: bool) -> None:
+        """Sync ``self.version`` to the engines (every rank) and announce it in Redis (rank 0) once the sync says
+        it may: a version that reached no engine, or not every engine of the pool, is not announced, and the
+        learner syncs again while it waits for data (``_wants_resync``) and at the next step."""
         started = time.monotonic()
-        metrics = self.publisher.publish(self.model, self.version, initial)
-        if self.info.is_main:
+        publication = self.publisher.publish(self.model, self.version, initial)
+        if not self.info.is_main:
+            return
+        if publication.announce and self._announced != self.version:
             if initial:
                 self._publish_initial()
             else:
                 self._call(self.policy_version.publish(self.version))
-            metrics = {**metrics, "publish_seconds": time.monotonic() - started}
-            self._last_publish_metrics = metrics
+            self._announced = self.version
+            # admission counts in groups: what the announced weights contain (a resume states its checkpoint's)
+            self._call(self.intake.admission.on_consumed(self.intake.totals.get("trained", 0)))
+        self._unannounced = not publication.announce
+        self._last_publish_metrics = {
+            **publication.metrics,
+            "publish_seconds": time.monotonic() - started,
+            "version_announced": float(publication.announce),
+        }
 
     def _publish_initial(self) -> None:
         current = self._call(self.policy_version.get())
         if current is None:
             self._call(self.policy_version.publish(0))
+
+    def _wants_resync(self) -> bool:
+        """Rank 0, idle: sync again when the last version was not announced or an engine is back, at most once
+        per ``learner.idle_check_s``."""
+        now = time.monotonic()
+        if now - self._last_resync_check < self.config.idle_check_s:
+            return False
+        self._last_resync_check = now
+        return self._unannounced or self.publisher.wants_resync()
 
     def _broadcast(self, obj: Any) -> Any:
         if self.info.world_size == 1:
@@ -283,12 +323,15 @@ class Learner:
             self._start_redis_side()
             self._init_wandb()
         self._last_publish_metrics: dict[str, float] = {}
+        self._unannounced = False
         self._resume()
         while True:
             payload = self._next_payload()
             if payload.stop:
                 break
             if payload.idle:
+                if payload.resync:
+                    self._publish(initial=False)
                 continue
             self._train(payload)
             if payload.checkpoint:
@@ -304,10 +347,12 @@ class Learner:
             return self._scatter(None)
         done = self.config.max_steps and self.step >= self.config.max_steps
         try:
-            wait_slice = min(30.0, self.config.pg_timeout_s / 4)
+            wait_slice = min(self.config.idle_check_s, self.config.pg_timeout_s / 4)
+            self.intake.step = self.step + 1
             batch = None if done else self._call(self.intake.next_batch(self.version, wait_slice))
         except NotReady:
-            return self._scatter([StepPayload(stop=False, idle=True)] * self.info.world_size)
+            resync = self._wants_resync()
+            return self._scatter([StepPayload(stop=False, idle=True, resync=resync)] * self.info.world_size)
         if batch is None:
             return self._scatter([StepPayload(stop=True)] * self.info.world_size)
         self._batch = batch
@@ -365,7 +410,11 @@ class Learner:
     def _log_step(self, train_metrics: dict[str, float], applied: bool) -> None:
         batch = self._batch
         wall = time.monotonic() - self._batch_started + batch.wait_s
-        metrics = {**train_metrics, **batch_metrics(batch, self.config), **self._last_publish_metrics}
+        metrics = {
+            **train_metrics,
+            **batch_metrics(batch, self.config, self.intake.lineage),
+            **self._last_publish_metrics,
+        }
         tokens = sum(len(g.prompt_ids) * len(g.samples) + g.num_tokens() for g in batch.groups)
         metrics.update(
             step=float(self.step),

@@ -14,7 +14,11 @@ from rollout_fleet.tasks.config import RewardConfig, TaskConfig
 class EngineConfig(Section):
     """Inference engines: the built-in CPU engine or SGLang servers."""
 
-    kind: str = Field("builtin", description="Engine kind: builtin (torch, CPU or CUDA) or sglang.")
+    kind: Literal["builtin", "sglang"] = Field(
+        "builtin",
+        description="Engine kind: builtin (torch, CPU or CUDA) or sglang (SGLang's server; the streamrl[sglang] "
+        "extra).",
+    )
     count: int = Field(2, ge=1, description="Number of engine servers the fleet runs.")
     host: str = Field("127.0.0.1", description="Address engines bind; loopback unless set explicitly.")
     base_port: int = Field(30000, ge=1, le=65535, description="Port of the first engine; the others follow.")

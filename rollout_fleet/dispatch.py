@@ -25,12 +25,14 @@ holder and only when not already done.
 
 **Admission without leaks.** Every lease holds exactly one ``running`` slot of the global admission counters
 (``broker.staleness.RedisCounters``' hash, same fields and semantics). The lease script *is* the admission's
-``try_start`` (capacity check plus ``running += 1``, in the same atomic step as granting a fresh position),
+``try_start`` (``admit`` of ``broker.staleness.COUNTERS_LUA``, in the same atomic step as granting a fresh
+position),
 completion is ``on_accept`` (produced) or ``on_reject`` (dropped), and a release is ``on_reject``. Taking over
 an expired lease transfers its slot to the new holder without touching the counters. Hence ``running`` always
 equals the number of leases, and a worker killed with SIGKILL leaks nothing: its slots live on in its leases
-and pass to whoever takes them over. The worker still asks :class:`~broker.staleness.StalenessManager` for the
-bound (its version source and formula); the script applies it.
+and pass to whoever takes them over. The worker's :class:`~broker.staleness.StalenessManager` gives the bound;
+the script applies it. A dropped prompt's record in the dropped stream and its final outcome
+(``broker.outcomes``) are written by the same script.
 
 Position strings, not ints, are what Redis stores; the public API speaks ints.
 """
@@ -46,18 +48,21 @@ import redis.asyncio as aioredis
 
 from broker.client import BrokerKeys
 from broker.config import BrokerConfig, SharedConfig
+from broker.outcomes import RECORDS_LUA, Outcome
 from broker.record import make_group_id
-from broker.staleness import StalenessManager
+from broker.staleness import COUNTERS_LUA, StalenessManager
 
 OUTCOMES = ("produced", "dropped")
 ATTEMPT = (
     0  # a re-leased prompt keeps its group id: the producer's idempotent XADD makes duplicates impossible
 )
 
-_LEASE = """
+_LEASE = (
+    COUNTERS_LUA
+    + """
 -- KEYS: 1 meta, 2 cursor, 3 leases, 4 holders, 5 requeue, 6 stats, 7 admission counters
--- ARGV: 1 worker, 2 ttl ms, 3 num prompts, 4 max positions (0: unbounded), 5 max running, 6 max outstanding,
---       7 seed, 8 task, 9 done-set key prefix (+ epoch)
+-- ARGV: 1 worker, 2 ttl ms, 3 num prompts, 4 max positions (0: unbounded), 5 max running,
+--       6 base outstanding ((eta + 1) * groups_per_step), 7 seed, 8 task, 9 done-set key prefix (+ epoch)
 local n = tonumber(ARGV[3])
 local meta_n = redis.call('HGET', KEYS[1], 'num_prompts')
 if not meta_n then
@@ -108,13 +113,9 @@ if not pos then
   pos = tostring(cursor)
 end
 -- 3. admission (StalenessManager.try_start, atomically with the grant)
-local running = tonumber(redis.call('HGET', KEYS[7], 'running') or '0')
-local accepted = tonumber(redis.call('HGET', KEYS[7], 'accepted') or '0')
-if running + 1 > tonumber(ARGV[5]) or accepted + running + 1 > tonumber(ARGV[6]) then
-  return {'WAIT', tostring(running), tostring(accepted)}
+if admit(KEYS[7], 1, tonumber(ARGV[5]), tonumber(ARGV[6])) == 0 then
+  return {'WAIT'}
 end
-redis.call('HINCRBY', KEYS[7], 'running', 1)
-redis.call('HINCRBY', KEYS[7], 'started', 1)
 if source == 'requeued' then
   redis.call('LPOP', KEYS[5])
 else
@@ -122,25 +123,26 @@ else
 end
 return grant(pos, source, '')
 """
+)
 
-_MOVE = """
-local function move(adm, stats, src, dst)
-  local have = tonumber(redis.call('HGET', adm, src) or '0')
-  if have < 1 then
-    redis.call('HINCRBY', stats, 'admission_anomalies', 1)
-    return
-  end
-  redis.call('HINCRBY', adm, src, -1)
-  redis.call('HINCRBY', adm, dst, 1)
+# One group's slot moves between admission counters; a move the counters cannot make is counted, never raised.
+_MOVE = (
+    COUNTERS_LUA
+    + """
+local function move_slot(adm, stats, src, dst)
+  if move(adm, src, dst, 1) == 0 then redis.call('HINCRBY', stats, 'admission_anomalies', 1) end
 end
 """
+)
 
 _COMPLETE = (
     _MOVE
+    + RECORDS_LUA
     + """
 -- KEYS: 1 leases, 2 holders, 3 done set (the position's epoch), 4 requeue, 5 stats, 6 admission counters,
---       7 dropped stream, 8 dropped index, 9 broker counters
--- ARGV: 1 worker, 2 position, 3 outcome ('produced' | 'dropped'), 4 group id, 5 reason, 6.. drop fields
+--       7 dropped stream, 8 dropped index, 9 broker counters, 10 outcomes, 11 outcome conflicts
+-- ARGV: 1 worker, 2 position, 3 outcome ('produced' | 'dropped'), 4 group id, 5 reason,
+--       6 outcome document of a drop, 7.. drop fields
 local pos = ARGV[2]
 local leased = redis.call('ZSCORE', KEYS[1], pos)
 local holder = redis.call('HGET', KEYS[2], pos) or ''
@@ -148,7 +150,7 @@ if redis.call('SISMEMBER', KEYS[3], pos) == 1 then
   if leased then  -- never granted for a done position; free the slot if it ever happens
     redis.call('ZREM', KEYS[1], pos)
     redis.call('HDEL', KEYS[2], pos)
-    move(KEYS[6], KEYS[5], 'running', 'rejected')
+    move_slot(KEYS[6], KEYS[5], 'running', 'rejected')
   end
   redis.call('HINCRBY', KEYS[5], 'duplicate_completions', 1)
   return {'DUP', holder}
@@ -162,26 +164,21 @@ if leased then
   redis.call('ZREM', KEYS[1], pos)
   redis.call('HDEL', KEYS[2], pos)
   if ARGV[3] == 'produced' then
-    move(KEYS[6], KEYS[5], 'running', 'accepted')
+    move_slot(KEYS[6], KEYS[5], 'running', 'accepted')
   else
-    move(KEYS[6], KEYS[5], 'running', 'rejected')
+    move_slot(KEYS[6], KEYS[5], 'running', 'rejected')
   end
 else  -- produced after it was handed back (a send cut by a drain that still reached Redis)
   redis.call('LREM', KEYS[4], 0, pos)
-  move(KEYS[6], KEYS[5], 'rejected', 'accepted')
+  move_slot(KEYS[6], KEYS[5], 'rejected', 'accepted')
 end
 redis.call('HINCRBY', KEYS[5], ARGV[3], 1)
 if ARGV[3] == 'dropped' then
   redis.call('HINCRBY', KEYS[5], 'dropped:' .. ARGV[5], 1)
-  if not redis.call('HGET', KEYS[8], ARGV[4]) then
-    local t = redis.call('TIME')
-    local fields = {'gid', ARGV[4], 'reason', ARGV[5], 'ts', t[1] .. '.' .. string.format('%06d', tonumber(t[2]))}
-    for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
-    local id = redis.call('XADD', KEYS[7], '*', unpack(fields))
-    redis.call('HSET', KEYS[8], ARGV[4], id)
-    redis.call('HINCRBY', KEYS[9], 'dropped', 1)
-    redis.call('HINCRBY', KEYS[9], 'dropped:' .. ARGV[5], 1)
-  end
+  local fields = {}
+  for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
+  record_drop(KEYS[7], KEYS[8], KEYS[9], ARGV[4], ARGV[5], fields)
+  record_outcome(KEYS[10], KEYS[11], ARGV[4], ARGV[6])  -- final: the group never reaches the stream
 end
 if holder == ARGV[1] or holder == '' then return {'OK', holder} end
 return {'OK_OTHER', holder}
@@ -216,7 +213,7 @@ for i = 2, #ARGV do
     redis.call('ZREM', KEYS[1], pos)
     redis.call('HDEL', KEYS[2], pos)
     redis.call('LPUSH', KEYS[3], pos)
-    move(KEYS[5], KEYS[4], 'running', 'rejected')
+    move_slot(KEYS[5], KEYS[4], 'running', 'rejected')
     n = n + 1
   end
 end
@@ -363,7 +360,6 @@ class PromptDispatcher:
         """An expired lease if there is one, else a fresh position if the admission bound allows it (the bound
         of ``admission`` at its current version: ``StalenessManager.try_start``, applied by the script)."""
         admission = self.admission
-        max_outstanding = admission.max_outstanding(await admission.version())
         k = self.keys
         res = await self._lease(
             keys=[
@@ -381,7 +377,7 @@ class PromptDispatcher:
                 self.num_prompts,
                 self.max_positions,
                 admission.max_concurrent,
-                max_outstanding,
+                admission.base_outstanding,
                 self.seed,
                 self.task,
                 self.done_prefix,
@@ -434,6 +430,7 @@ class PromptDispatcher:
             raise ValueError("a dropped prompt needs a reason")
         group_id = lease.group_id(self.shared.run_id)
         drop_fields: list[Any] = []
+        doc = Outcome("dropped", reason=reason, source="rollout").to_json() if outcome == "dropped" else ""
         if outcome == "dropped":
             extra = {
                 "run_id": self.shared.run_id,
@@ -458,8 +455,10 @@ class PromptDispatcher:
                 b.dropped,
                 b.dropped_index,
                 b.counters,
+                b.outcomes,
+                b.outcome_conflicts,
             ],
-            args=[self.worker_id, str(lease.position), outcome, group_id, reason, *drop_fields],
+            args=[self.worker_id, str(lease.position), outcome, group_id, reason, doc, *drop_fields],
         )
         return _text(res[0])
 

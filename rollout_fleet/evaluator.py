@@ -6,6 +6,12 @@ sampling from, with no extra copy of the model. Each evaluation runs every held-
 verifier (correctness only), and writes one point to the ``eval`` metrics stream with the policy version the
 engines reported. Held-out prompts come from the task's test split, which the task keeps disjoint from its
 training prompts (``rollout_fleet.tasks``).
+
+Which engines: before it starts, an evaluation probes every engine's ``weight_version`` and uses only those
+serving at least the version it was asked to evaluate (the published one), so an engine that restarted on its
+initial weights, or fell out of the weight sync, is never evaluated as if it were the trained policy. With none
+there it raises :class:`NoEngineAtVersion`; the live loop tries again at its next poll. The result records the
+lowest and highest version that answered.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from broker.configlib import Section
 from broker.discovery import resolve_redis_url
 from broker.metrics import MetricsReader, MetricsWriter
 from broker.version import PolicyVersion
-from rollout_fleet.client import EngineClient, SamplingConfig, build_generate_request
+from rollout_fleet.client import EngineClient, SamplingConfig, build_generate_request, parse_version
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.tasks import TEST, Prompt, Task
 
@@ -52,6 +58,10 @@ class EvalConfig(Section):
     poll_s: float = Field(1.0, gt=0, description="How often the evaluator checks the policy version.")
 
 
+class NoEngineAtVersion(RuntimeError):
+    """No engine serves the version an evaluation was asked for; the message lists what each one serves."""
+
+
 @dataclass(frozen=True)
 class EvalResult:
     greedy_accuracy: float
@@ -60,6 +70,8 @@ class EvalResult:
     n: int
     version: int  # lowest weight version the engines answered with
     seconds: float
+    max_version: int = -1  # highest weight version the engines answered with
+    engines: int = 0  # engines the prompts were spread over
 
     def as_metrics(self) -> dict[str, float]:
         return {
@@ -68,8 +80,30 @@ class EvalResult:
             "format_rate": self.format_rate,
             "n": float(self.n),
             "policy_version": float(self.version),
+            "policy_version_max": float(self.max_version),
+            "engines": float(self.engines),
             "eval_seconds": self.seconds,
         }
+
+
+async def engines_at_version(
+    session: aiohttp.ClientSession, urls: list[str], min_version: int, timeout_s: float
+) -> dict[str, int]:
+    """{url: weight version} of the engines that answer ``GET /model_info`` with at least ``min_version``;
+    raises NoEngineAtVersion when there is none."""
+
+    async def probe(url: str) -> int | str:
+        try:
+            info = await EngineClient(session, url, timeout_s, timeout_s).model_info()
+            return parse_version(info.get("weight_version", "default"))
+        except Exception as exc:  # noqa: BLE001 - any failure: this engine is not evaluated
+            return f"{type(exc).__name__}: {exc}"
+
+    seen = dict(zip(urls, await asyncio.gather(*(probe(u) for u in urls)), strict=True))
+    ready = {u: v for u, v in seen.items() if isinstance(v, int) and v >= min_version}
+    if not ready:
+        raise NoEngineAtVersion(f"no engine serves policy version {min_version} or later: {seen}")
+    return ready
 
 
 async def _one(
@@ -96,9 +130,11 @@ async def evaluate_through_engines(
     config: EvalConfig,
     stop_token_ids: tuple[int, ...],
     timeout_s: float = 120.0,
+    min_version: int = 0,
 ) -> EvalResult:
-    """Greedy and sampled accuracy over the first ``config.heldout_prompts`` held-out prompts, spread over
-    ``urls`` round-robin with at most ``config.concurrency`` requests in flight."""
+    """Greedy and sampled accuracy over the first ``config.heldout_prompts`` held-out prompts, spread
+    round-robin over the engines of ``urls`` that serve ``min_version`` or later, with at most
+    ``config.concurrency`` requests in flight."""
     started = time.monotonic()
     n = min(config.heldout_prompts, task.num_prompts(TEST))
     prompts = [task.make_prompt(i, TEST) for i in range(n)]
@@ -108,7 +144,8 @@ async def evaluate_through_engines(
     }
     gate = asyncio.Semaphore(config.concurrency)
     async with aiohttp.ClientSession() as session:
-        clients = [EngineClient(session, u, timeout_s, timeout_s) for u in urls]
+        ready = await engines_at_version(session, urls, min_version, min(timeout_s, 10.0))
+        clients = [EngineClient(session, u, timeout_s, timeout_s) for u in ready]
 
         async def run(k: int, mode: str, prompt: Prompt) -> tuple[str, float, float, int]:
             async with gate:
@@ -129,6 +166,8 @@ async def evaluate_through_engines(
         n=n,
         version=min(v for _, _, _, v in results),
         seconds=time.monotonic() - started,
+        max_version=max(v for _, _, _, v in results),
+        engines=len(clients),
     )
 
 
@@ -152,9 +191,10 @@ def _stop_ids(tokenizer: Any, rollout: RolloutConfig) -> tuple[int, ...]:
 
 
 async def run_evaluation_once(
-    shared: SharedConfig, rollout: RolloutConfig, config: EvalConfig, label: str = ""
+    shared: SharedConfig, rollout: RolloutConfig, config: EvalConfig, label: str = "", min_version: int = 0
 ) -> dict[str, float]:
-    """One evaluation of what the engines serve now, written to the ``eval`` metrics stream."""
+    """One evaluation of what the engines serving ``min_version`` or later serve now, written to the ``eval``
+    metrics stream; NoEngineAtVersion when no engine serves it."""
     tokenizer, task = _tokenizer_and_task(shared, rollout)
     result = await evaluate_through_engines(
         list(rollout.engine_urls),
@@ -163,6 +203,7 @@ async def run_evaluation_once(
         config,
         _stop_ids(tokenizer, rollout),
         shared.http_timeout_s * 4,
+        min_version,
     )
     metrics = result.as_metrics()
     client = connect(resolve_redis_url(shared))
@@ -196,14 +237,18 @@ async def evaluator_loop(
         while not stop.is_set():
             version = await versions.get()
             if version is not None and (last is None or version - last >= config.every_versions):
-                result = await evaluate_through_engines(
-                    list(rollout.engine_urls), task, tokenizer, config, _stop_ids(tokenizer, rollout),
-                    shared.http_timeout_s * 4,
-                )  # fmt: skip
-                await writer.write(result.as_metrics())
-                log.info("eval at version %d: greedy %.3f sampled %.3f", result.version,
-                         result.greedy_accuracy, result.sampled_accuracy)  # fmt: skip
-                last = version
+                try:
+                    result = await evaluate_through_engines(
+                        list(rollout.engine_urls), task, tokenizer, config, _stop_ids(tokenizer, rollout),
+                        shared.http_timeout_s * 4, min_version=version,
+                    )  # fmt: skip
+                except NoEngineAtVersion as exc:  # every engine behind (restarting, or out of the sync)
+                    log.warning("eval of version %d postponed: %s", version, exc)
+                else:
+                    await writer.write(result.as_metrics())
+                    log.info("eval at version %d: greedy %.3f sampled %.3f", result.version,
+                             result.greedy_accuracy, result.sampled_accuracy)  # fmt: skip
+                    last = version
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), config.poll_s)
     finally:

@@ -118,6 +118,7 @@ async def open_worker(
     router: Router | None = None
     try:
         registry = EngineRegistry(client, shared)
+        versions = VersionCache(client, shared, broker, rollout.version_poll_s)
         router = Router(
             session,
             registry,
@@ -125,17 +126,18 @@ async def open_worker(
             control_timeout_s=shared.http_timeout_s,
             health_interval_s=rollout.health_interval_s,
             no_engine_timeout_s=rollout.no_engine_timeout_s,
+            # never generate on weights more than eta versions behind the published policy
+            min_version=lambda: versions.value - shared.eta,
         )
         for url in await engine_urls(registry, engine, rollout, fleet):
             await registry.register(url, source=f"worker {worker_id}", overwrite=False)
+        await versions.refresh()
         await router.refresh()
         await router.probe_all()
-        versions = VersionCache(client, shared, broker, rollout.version_poll_s)
         admission = StalenessManager(
             eta=shared.eta,
             groups_per_step=groups_per_step,
             max_concurrent=rollout.max_concurrent_groups * rollout.workers,
-            version_source=versions,
             counters=RedisCounters(client, shared),
         )
         dispatch = PromptDispatcher(

@@ -1,9 +1,15 @@
 """Routing requests across engines: least outstanding requests among the healthy ones, sticky resubmits.
 
 - :meth:`Router.acquire` picks an engine for one request: the preferred one (a resubmitted partial rollout goes
-  back to the engine that has its prefix cached) when it is healthy, else the healthy engine with the fewest
-  outstanding requests (ties broken round-robin). With no healthy engine it waits, up to a timeout, for one to
+  back to the engine that has its prefix cached) when it is routable, else the routable engine with the fewest
+  outstanding requests (ties broken round-robin). With no routable engine it waits, up to a timeout, for one to
   come back. :meth:`Router.release` gives the slot back.
+- Routable = healthy and not *behind*: an engine whose weight version is below ``min_version()`` (the
+  published policy version minus eta) is left out until it has caught up, so no rollout is generated on weights
+  older than the staleness bound allows (a restarted engine serves its initial weights until the learner
+  brings it back). Its version comes from the probes and from every answer it gives (:meth:`Router.observe`);
+  :meth:`Router.recheck_behind` probes the engines that are behind at once (the worker calls it when a new
+  version is published, so a caught-up engine is back in routing within a round trip).
 - :meth:`Router.mark_failed`: a request failed in a way that is the engine's fault (connection refused or
   reset, timeout, 5xx). The engine leaves routing at once; its other in-flight requests fail the same way and
   are resubmitted elsewhere by their owners.
@@ -22,7 +28,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +74,7 @@ class Router:
         control_timeout_s: float,
         health_interval_s: float = 2.0,
         no_engine_timeout_s: float = 300.0,
+        min_version: Callable[[], int] | None = None,
     ) -> None:
         self.session = session
         self.registry = registry
@@ -75,6 +82,7 @@ class Router:
         self.control_timeout_s = control_timeout_s
         self.health_interval_s = health_interval_s
         self.no_engine_timeout_s = no_engine_timeout_s
+        self.min_version = min_version or (lambda: 0)
         self.engines: dict[str, EngineHandle] = {}
         self._changed = asyncio.Event()  # set whenever an engine becomes routable
         self._counter = itertools.count()
@@ -127,13 +135,20 @@ class Router:
     def healthy(self) -> list[EngineHandle]:
         return [h for h in self.engines.values() if h.healthy and not h.removed]
 
+    def behind(self, handle: EngineHandle) -> bool:
+        """Whether the engine serves weights older than the staleness bound allows (unknown counts as not)."""
+        return handle.weight_version is not None and handle.weight_version < self.min_version()
+
+    def routable(self) -> list[EngineHandle]:
+        return [h for h in self.healthy() if not self.behind(h)]
+
     def pick(self, prefer: str | None = None) -> EngineHandle | None:
-        """The preferred engine when routable, else the healthy engine with the fewest outstanding requests."""
+        """The preferred engine when routable, else the routable engine with the fewest outstanding requests."""
         if prefer is not None:
             handle = self.engines.get(prefer)
-            if handle is not None and handle.healthy and not handle.removed:
+            if handle is not None and handle.healthy and not handle.removed and not self.behind(handle):
                 return handle
-        candidates = self.healthy()
+        candidates = self.routable()
         if not candidates:
             return None
         least = min(h.outstanding for h in candidates)
@@ -155,17 +170,42 @@ class Router:
                 return handle
             remaining = deadline - loop.time()
             if remaining <= 0:
-                known = ", ".join(
-                    f"{h.engine_id} ({h.last_error or 'not probed'})" for h in self.engines.values()
-                )
+                known = ", ".join(f"{h.engine_id} ({self._why_not(h)})" for h in self.engines.values())
                 raise NoEngineAvailable(
-                    f"no healthy engine within the wait timeout; engines: {known or 'none'}"
+                    f"no routable engine within the wait timeout; engines: {known or 'none'}"
                 )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), min(remaining, self.health_interval_s))
 
+    def _why_not(self, handle: EngineHandle) -> str:
+        if self.behind(handle):
+            return f"weight version {handle.weight_version} is behind {self.min_version()}"
+        return handle.last_error or "not probed"
+
     def release(self, handle: EngineHandle) -> None:
         handle.outstanding = max(0, handle.outstanding - 1)
+
+    def observe(self, handle: EngineHandle, weight_version: int) -> None:
+        """An answer from the engine carried ``weight_version``. Higher than known: the engine was updated. Lower:
+        an answer that started before an update, or the engine restarted on its initial weights; a probe
+        (which reads its current label) decides."""
+        if handle.weight_version is not None and weight_version < handle.weight_version:
+            self._spawn(self._probe_quietly(handle))
+            return
+        was_behind = self.behind(handle)
+        handle.weight_version = weight_version
+        if was_behind and not self.behind(handle):
+            self._changed.set()
+
+    def recheck_behind(self) -> None:
+        """Probe at once every healthy engine that is behind (a version was just published: it may have it)."""
+        for handle in self.healthy():
+            if self.behind(handle):
+                self._spawn(self._probe_quietly(handle))
+
+    async def _probe_quietly(self, handle: EngineHandle) -> None:
+        with contextlib.suppress(Exception):
+            await self.probe(handle)
 
     def _set_healthy(self, handle: EngineHandle, healthy: bool) -> None:
         if healthy and not handle.healthy:
@@ -211,9 +251,13 @@ class Router:
                 handle.last_error = error
             return False
         back = not handle.healthy
+        was_behind = self.behind(handle)
         handle.weight_version, handle.last_seen = version, time.time()
         if back:
             log.info("engine %s is healthy (weight version %s)", handle.engine_id, version)
+        if was_behind and not self.behind(handle):
+            log.info("engine %s caught up (weight version %s)", handle.engine_id, version)
+            self._changed.set()
         self._set_healthy(handle, True)
         await self._write(handle, "healthy", "")
         return True
@@ -252,11 +296,13 @@ class Router:
         """Per-engine outstanding requests and health, flat, for the metrics stream."""
         out: dict[str, float] = {
             "engines_healthy": float(len(self.healthy())),
+            "engines_routable": float(len(self.routable())),
             "engines": float(len(self.engines)),
         }
         for h in self.engines.values():
             out[f"engine/{h.engine_id}/outstanding"] = float(h.outstanding)
             out[f"engine/{h.engine_id}/healthy"] = float(h.healthy)
+            out[f"engine/{h.engine_id}/behind"] = float(self.behind(h))
             out[f"engine/{h.engine_id}/failures"] = float(h.failures)
         return out
 

@@ -218,7 +218,7 @@ class RolloutWorker:
         self._lost: set[int] = set()
         self._wake = asyncio.Event()
         self._prompt_ids: dict[int, list[int]] = {}
-        self.versions.on_change = self._wake.set
+        self.versions.on_change = self._on_new_version
         self.finished = False  # True when every prompt up to max_epochs is done
         self._first_request_marked = False
 
@@ -251,6 +251,10 @@ class RolloutWorker:
                 with contextlib.suppress(Exception):
                     await self._write_metrics(0.0, self.stats.flat())
         return self.stats
+
+    def _on_new_version(self) -> None:
+        self._wake.set()  # admission capacity may have grown
+        self.router.recheck_behind()  # engines that were behind may serve the new version now
 
     async def _forward(self, stop: asyncio.Event) -> None:
         await stop.wait()
@@ -435,6 +439,7 @@ class RolloutWorker:
         try:
             results = await handle.client.generate_batch(payload)
             for result in results:
+                self.router.observe(handle, result.weight_version)
                 if len(result.output_ids) > self.config.max_new_tokens:
                     raise InvalidResponse(
                         f"{len(result.output_ids)} tokens for max_new_tokens = {self.config.max_new_tokens}"
@@ -502,6 +507,7 @@ class RolloutWorker:
                 self.stats.resubmits += 1
             try:
                 result = await handle.client.generate(payload)
+                self.router.observe(handle, result.weight_version)
                 if len(result.output_ids) > budget:
                     raise InvalidResponse(f"{len(result.output_ids)} tokens for max_new_tokens = {budget}")
             except EngineUnavailable as exc:

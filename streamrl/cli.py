@@ -21,6 +21,7 @@ commands:
 {commands}
 
   model init  build (or find cached) the warm-started tiny model: `streamrl model init --help`
+  audit RUN_DIR  account for every prompt group of a run: generated, trained, dropped, lost
 
 `streamrl COMMAND --help` lists every config field the command reads, with its type, default and doc.
 Values come from the defaults, then REDIS_URL, then --config, then the dotted overrides."""
@@ -179,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = args[0], args[1:]
     if name == "model":
         return _model_command(rest)
+    if name == "audit":
+        from streamrl.audit import main as audit_main
+
+        return audit_main(rest)
     command = COMMANDS.get(name)
     if command is None:
         print(f"streamrl: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)

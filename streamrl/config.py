@@ -69,10 +69,36 @@ class DashboardConfig(Section):
 
 
 class UpConfig(Section):
-    """``streamrl up``: the single-node supervisor of every role."""
+    """``streamrl up``: the single-node supervisor of every role. A role that dies is restarted; the run stops
+    only when a role died more often than its budget within ``restart_window_s``."""
 
     grace_s: float = Field(40.0, gt=0, description="SIGTERM grace per role before it is killed, seconds.")
-    engine_restarts: int = Field(3, ge=0, description="Restarts of an engine that dies before up gives up.")
+    engine_restarts: int = Field(
+        3, ge=0, description="Restarts of each engine within the restart window before up stops the run."
+    )
+    redis_restarts: int = Field(
+        5, ge=0, description="Restarts of the embedded Redis (same port, same AOF) within the restart window."
+    )
+    learner_restarts: int = Field(
+        3, ge=0, description="Restarts of the learner (from its last durable checkpoint) within the window."
+    )
+    rollout_restarts: int = Field(
+        5, ge=0, description="Restarts of each rollout worker within the restart window."
+    )
+    eval_restarts: int = Field(5, ge=0, description="Restarts of the evaluator within the restart window.")
+    dashboard_restarts: int = Field(
+        5, ge=0, description="Restarts of the dashboard within the restart window."
+    )
+    restart_window_s: float = Field(
+        3600.0,
+        gt=0,
+        description="Deaths of a role older than this no longer count against its budget, seconds.",
+    )
+    restart_delay_s: float = Field(
+        1.0,
+        ge=0,
+        description="Wait before restarting a role that died; doubles with each death in the window (max 30 s).",
+    )
     status_interval_s: float = Field(10.0, gt=0, description="Seconds between two live status lines.")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from collections.abc import Callable
@@ -9,9 +10,10 @@ from typing import Any
 
 import redis
 
-from broker.client import BrokerKeys
+from broker.client import BrokerKeys, connect
 from broker.discovery import RedisNotFound, resolve_redis_url
 from broker.metrics import RUN_INFO_KEY
+from broker.outcomes import audit
 from streamrl.config import StreamRLConfig
 
 
@@ -110,6 +112,7 @@ class StatusReader:
             first = None
         return {
             **self.learner_aggregates(),
+            "audit": self.audit(),
             "first_request_at": float(first) if first else None,
             "steps": int(learner.get("step", 0)),
             "policy_version": int(learner.get("policy_version", 0)),
@@ -117,6 +120,25 @@ class StatusReader:
             "samples_dropped": sum(dropped.values()),
             "samples_dropped_by_reason": dropped,
         }
+
+    def audit(self) -> dict[str, Any] | None:
+        """``streamrl audit``'s figures for the run (broker.outcomes), None when Redis does not answer."""
+        try:
+            url = resolve_redis_url(self.config.shared)
+        except RedisNotFound:
+            return None
+
+        async def run() -> dict[str, Any]:
+            client = connect(url, self.config.broker)
+            try:
+                return (await audit(client, self.config.shared, self.config.broker)).as_dict()
+            finally:
+                await client.aclose()
+
+        try:
+            return asyncio.run(run())
+        except (redis.RedisError, OSError):
+            return None
 
     def learner_aggregates(self) -> dict[str, float]:
         """Sums over every learner step of the run: time waiting for data (generation, when synchronous), time

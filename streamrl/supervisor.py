@@ -1,10 +1,20 @@
-"""A thin process supervisor: each role a child process with its own log; one dies, all stop (or it restarts).
+"""A thin process supervisor: each role a child process with its own log; a role that dies is restarted within
+its budget, and the run stops only when a budget is spent.
 
 Modelled on prime-rl's ``rl`` entrypoint and PipelineRL's launcher: children are started in order, each waits
-for its readiness check before the next starts, and the supervisor then watches them. When a child exits
-unexpectedly the supervisor says which one died, with its exit code and the tail of its log, and either
-restarts it (``restart="on-failure"``, bounded) or stops the others in reverse order: SIGTERM, a grace
-period, then SIGKILL. A SIGTERM or SIGINT to the supervisor stops everything the same way.
+for its readiness check before the next starts, and the supervisor then watches them.
+
+- A child that exits unexpectedly is named with its exit code and the tail of its log, and restarted after a
+  back-off (``restart_delay_s``, doubling with each restart in the window, at most 30 s), as long as it died at
+  most ``max_restarts`` times within ``restart_window_s`` (``restart="on-failure"``: not after a clean exit;
+  ``"always"``: also after one). Exit code 2 means a configuration error in every role: restarting cannot
+  help, so the run stops. When the budget is spent, the others are stopped in reverse order (SIGTERM, a grace
+  period, SIGKILL) and ``failure`` says which role and why.
+- A child that exits 0 with ``finishes_run`` ends the run.
+- Every child gets SIGTERM when the supervisor itself dies (``broker.lifecycle.die_with_parent``), so a
+  ``kill -9`` of the supervisor leaves nothing running; ``records_path`` keeps the children's pids and start
+  times, so the next start of the same run can stop any that are still draining.
+- SIGTERM or SIGINT to the supervisor stops everything the same way.
 """
 
 from __future__ import annotations
@@ -15,12 +25,18 @@ import signal
 import subprocess
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from broker.lifecycle import ProcessRecord, die_with_parent, write_records
+
 log = logging.getLogger("streamrl.supervisor")
+
+CONFIG_ERROR_EXIT = 2  # what every role returns for a configuration it cannot accept
+MAX_RESTART_DELAY_S = 30.0
 
 
 @dataclass
@@ -30,10 +46,10 @@ class ChildSpec:
     name: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
-    ready: Callable[[], bool] | None = None  # polled after start until True (or the child dies)
+    ready: Callable[[], bool] | None = None  # polled after the first start until True (or the child dies)
     ready_timeout_s: float = 120.0
-    restart: Literal["never", "on-failure"] = "never"
-    max_restarts: int = 3
+    restart: Literal["never", "on-failure", "always"] = "never"
+    max_restarts: int = 3  # restarts allowed within the supervisor's restart window
     # A child that exits 0 on its own (a one-shot job) ends the run when it is `finishes_run`.
     finishes_run: bool = False
 
@@ -43,7 +59,10 @@ class ChildState:
     spec: ChildSpec
     process: subprocess.Popen[bytes]
     log_path: Path
-    restarts: int = 0
+    restarts: int = 0  # restarts so far, in all
+    deaths: deque[float] = field(default_factory=deque)  # monotonic times of the deaths inside the window
+    restart_at: float | None = None  # set while it waits out its back-off
+    done: bool = False  # exited cleanly and is not restarted
 
 
 class ChildFailed(RuntimeError):
@@ -57,15 +76,28 @@ def tail(path: Path, lines: int = 15) -> str:
 
 
 class Supervisor:
-    def __init__(self, log_dir: Path, grace_s: float = 20.0, poll_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        grace_s: float = 20.0,
+        poll_s: float = 0.2,
+        restart_window_s: float = 3600.0,
+        restart_delay_s: float = 1.0,
+        records_path: Path | None = None,
+        say: Callable[[str], None] | None = None,
+    ) -> None:
         self.log_dir = Path(log_dir)
         self.grace_s = grace_s
         self.poll_s = poll_s
+        self.restart_window_s = restart_window_s
+        self.restart_delay_s = restart_delay_s
+        self.records_path = records_path
+        self.say = say or (lambda message: None)  # restarts are news for the user, not only the log
         self.children: list[ChildState] = []
         self.stop_requested = threading.Event()
         self.failure: str | None = None
 
-    def _spawn(self, spec: ChildSpec) -> ChildState:
+    def _spawn(self, spec: ChildSpec) -> subprocess.Popen[bytes]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{spec.name}.log"
         with open(log_path, "ab") as fh:
@@ -76,9 +108,17 @@ class Supervisor:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **spec.env},
                 start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor, which stops children in order
+                preexec_fn=die_with_parent(signal.SIGTERM),  # a supervisor killed outright still stops them
             )
         log.info("started %s (pid %d), log %s", spec.name, process.pid, log_path)
-        return ChildState(spec, process, log_path)
+        return process
+
+    def _write_records(self) -> None:
+        if self.records_path is None:
+            return
+        records = [ProcessRecord.of("up", os.getpid())]
+        records += [ProcessRecord.of(c.spec.name, c.process.pid) for c in self.children]
+        write_records(self.records_path, records)
 
     def _wait_ready(self, state: ChildState) -> None:
         if state.spec.ready is None:
@@ -105,8 +145,9 @@ class Supervisor:
         return f"{state.spec.name} (pid {state.process.pid}) died with {how}; last lines of {state.log_path}:\n{tail(state.log_path)}"
 
     def start(self, spec: ChildSpec) -> ChildState:
-        state = self._spawn(spec)
+        state = ChildState(spec, self._spawn(spec), self.log_dir / f"{spec.name}.log")
         self.children.append(state)
+        self._write_records()
         self._wait_ready(state)
         return state
 
@@ -119,8 +160,9 @@ class Supervisor:
         self.stop_requested.set()
 
     def watch(self, on_tick: Callable[[], None] | None = None, stop_at_end: bool = True) -> int:
-        """Supervise until a stop is requested, a finishing child exits 0, or a child fails; then stop all
-        (unless ``stop_at_end`` is False and the run finished cleanly: the caller still needs the others).
+        """Supervise until a stop is requested, a finishing child exits 0, or a child's restart budget is spent;
+        then stop all (unless ``stop_at_end`` is False and the run finished cleanly: the caller still needs the
+        others).
 
         Returns 0 for a clean stop and 1 when a child failed (``self.failure`` says which and why).
         """
@@ -142,31 +184,61 @@ class Supervisor:
         return 0
 
     def _check_children(self) -> bool:
-        """True when the run is finished; raises ChildFailed for an unexpected death."""
-        for state in list(self.children):
+        """True when the run is finished; raises ChildFailed when a child cannot be restarted."""
+        now = time.monotonic()
+        for state in self.children:
+            if state.done:
+                continue
+            if state.restart_at is not None:
+                if now >= state.restart_at:
+                    self._restart(state)
+                continue
             code = state.process.poll()
             if code is None:
                 continue
             if code == 0 and state.spec.finishes_run:
                 log.info("%s finished", state.spec.name)
                 return True
-            if state.spec.restart == "on-failure" and state.restarts < state.spec.max_restarts:
-                log.warning(
-                    "%s; restarting (%d/%d)",
-                    self._death_message(state),
-                    state.restarts + 1,
-                    state.spec.max_restarts,
-                )
-                fresh = self._spawn(state.spec)
-                fresh.restarts = state.restarts + 1
-                self.children[self.children.index(state)] = fresh
-                continue
-            raise ChildFailed(self._death_message(state))
+            self._on_exit(state, code, now)
         return False
+
+    def _on_exit(self, state: ChildState, code: int, now: float) -> None:
+        spec = state.spec
+        if code == 0 and spec.restart != "always":
+            log.info("%s exited cleanly", spec.name)
+            state.done = True
+            return
+        if spec.restart == "never" or code == CONFIG_ERROR_EXIT:
+            raise ChildFailed(self._death_message(state))
+        while state.deaths and now - state.deaths[0] > self.restart_window_s:
+            state.deaths.popleft()
+        state.deaths.append(now)
+        recent = len(state.deaths)
+        if recent > spec.max_restarts:
+            raise ChildFailed(
+                f"{spec.name} died {recent} times within {self.restart_window_s:.0f} s, more than its restart "
+                f"budget of {spec.max_restarts}; the last time: {self._death_message(state)}"
+            )
+        delay = min(MAX_RESTART_DELAY_S, self.restart_delay_s * 2 ** (recent - 1))
+        message = (
+            f"{spec.name} (pid {state.process.pid}) died with "
+            f"{f'signal {-code}' if code < 0 else f'exit code {code}'}; restarting it in {delay:.1f} s "
+            f"({recent} of {spec.max_restarts} restarts in {self.restart_window_s:.0f} s)"
+        )
+        log.warning("%s; last lines of its log:\n%s", message, tail(state.log_path))
+        self.say(message)
+        state.restart_at = now + delay
+
+    def _restart(self, state: ChildState) -> None:
+        state.process = self._spawn(state.spec)
+        state.restarts += 1
+        state.restart_at = None
+        self._write_records()
 
     def stop_all(self) -> None:
         """SIGTERM every live child in reverse start order, wait the grace period, then SIGKILL."""
         for state in reversed(self.children):
+            state.restart_at = None
             if state.process.poll() is None:
                 log.info("stopping %s (pid %d)", state.spec.name, state.process.pid)
                 state.process.send_signal(signal.SIGTERM)

@@ -4,28 +4,40 @@ Order of start (each waits for the previous to be ready): Redis, the engines, a 
 starting policy, the learner (ready once it has published version 0 to the engines), the rollout workers, the
 evaluator (unless ``eval.every_versions`` is 0) and the dashboard. The run ends when the
 learner reaches ``learner.max_steps`` (then the final policy is evaluated through the engines and
-``RUN_DIR/summary.json`` written), when a role dies (the others are stopped and the reason printed), or on
-SIGTERM / Ctrl-C (every role drains and checkpoints). ``streamrl up --resume RUN_DIR`` continues a stopped
-run from its checkpoint and its stream, with no sample trained twice.
+``RUN_DIR/summary.json`` written), when a role has died more often than its restart budget (``up.*_restarts``
+within ``up.restart_window_s``; the others are stopped and the reason printed), or on SIGTERM / Ctrl-C (every
+role drains and checkpoints). Every role is restarted when it dies: Redis on its own port and AOF (clients
+reconnect), an engine (the learner brings it back to the current policy before it serves rollouts), the learner
+from its last durable checkpoint, the rollout workers, the evaluator and the dashboard.
+
+``streamrl up --resume RUN_DIR`` continues a stopped run from its checkpoint and its stream, with no sample
+trained twice. One ``up`` at a time holds a run directory (``RUN_DIR/up.lock``); processes of an earlier ``up``
+of the same directory that are still alive (listed in ``RUN_DIR/processes.json``) are stopped first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import logging
+import os
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import redis
 
 from broker.client import BrokerKeys
-from broker.configlib import dump_config
+from broker.configlib import ConfigError, dump_config
 from broker.discovery import resolve_redis_url, url_file
+from broker.lifecycle import read_records, stop_leftovers
 from learner.distributed import free_port
+from rollout_fleet.fleet import engine_ranks
 from streamrl.config import StreamRLConfig
 from streamrl.status import StatusReader
 from streamrl.supervisor import ChildSpec, Supervisor
@@ -75,6 +87,7 @@ def prepare(config: StreamRLConfig) -> StreamRLConfig:
     urls = [f"http://{cfg.engine.host}:{p}" for p in ports]
     cfg.rollout.engine_urls = urls
     cfg.weight_sync.engine_urls = urls
+    cfg.weight_sync.engine_ranks = engine_ranks(cfg.engine)
     if cfg.dashboard.port == 0:
         cfg.dashboard.port = free_port()
     cfg.shared.run_dir = Path(cfg.shared.run_dir).resolve()
@@ -84,9 +97,18 @@ def prepare(config: StreamRLConfig) -> StreamRLConfig:
 
 def child_specs(cfg: StreamRLConfig, config_path: Path) -> tuple[list[ChildSpec], list[ChildSpec]]:
     """(children started before the baseline evaluation, children started after it)."""
+    up = cfg.up
     before: list[ChildSpec] = []
     if not cfg.shared.redis_url:
-        before.append(ChildSpec("redis", _argv("redis", config_path), ready=lambda: _redis_ready(cfg)))
+        before.append(
+            ChildSpec(
+                "redis",
+                _argv("redis", config_path),
+                ready=lambda: _redis_ready(cfg),
+                restart="on-failure",
+                max_restarts=up.redis_restarts,
+            )
+        )
     for i, url in enumerate(cfg.rollout.engine_urls):
         port = url.rsplit(":", 1)[1]
         before.append(
@@ -99,8 +121,8 @@ def child_specs(cfg: StreamRLConfig, config_path: Path) -> tuple[list[ChildSpec]
                     f"--engine.seed={json.dumps(cfg.engine.seed_of(i))}",
                 ),
                 ready=lambda u=url: _http_ok(f"{u}/model_info"),
-                restart="on-failure",
-                max_restarts=cfg.up.engine_restarts,
+                restart="always",  # an engine exits only when told to (or when it dies)
+                max_restarts=up.engine_restarts,
             )
         )
     # Rollouts start once the learner has published its weights: the clock of a run (its first rollout
@@ -111,24 +133,48 @@ def child_specs(cfg: StreamRLConfig, config_path: Path) -> tuple[list[ChildSpec]
         finishes_run=cfg.learner.max_steps > 0,
         ready=lambda: _version_published(cfg),
         ready_timeout_s=cfg.weight_sync.wait_for_engines_s + cfg.weight_sync.timeout_s,
+        restart="on-failure",  # it resumes from its last durable checkpoint
+        max_restarts=up.learner_restarts,
     )
     after = [learner]
     for w in range(cfg.rollout.workers):
-        after.append(
-            ChildSpec(f"rollout-{w}", _argv("rollout", config_path, f"--rollout.worker_id=worker-{w}"))
-        )
+        argv = _argv("rollout", config_path, f"--rollout.worker_id=worker-{w}")
+        after.append(ChildSpec(f"rollout-{w}", argv, restart="on-failure", max_restarts=up.rollout_restarts))
     if cfg.eval.every_versions > 0:
-        after.append(ChildSpec("eval", _argv("eval", config_path)))
+        argv = _argv("eval", config_path)
+        after.append(ChildSpec("eval", argv, restart="on-failure", max_restarts=up.eval_restarts))
     dash = f"http://{cfg.dashboard.host}:{cfg.dashboard.port}/"
-    after.append(ChildSpec("dashboard", _argv("dashboard", config_path), ready=lambda: _http_ok(dash)))
+    after.append(
+        ChildSpec(
+            "dashboard",
+            _argv("dashboard", config_path),
+            ready=lambda: _http_ok(dash),
+            restart="on-failure",
+            max_restarts=up.dashboard_restarts,
+        )
+    )
     return before, after
 
 
-def evaluate_now(cfg: StreamRLConfig, label: str) -> dict[str, float]:
-    """Held-out greedy and sampled accuracy of what the engines serve now, written to the eval stream."""
-    from rollout_fleet.evaluator import run_evaluation_once
+def evaluate_now(cfg: StreamRLConfig, label: str, version: int = 0) -> dict[str, float]:
+    """Held-out greedy and sampled accuracy of policy ``version`` (on the engines that serve it), written to the
+    eval stream. When no engine serves it, what the engines do serve is evaluated instead and the result says
+    so loudly (``is_version_asked`` false): a number is never passed off as another policy's."""
+    from rollout_fleet.evaluator import NoEngineAtVersion, run_evaluation_once
 
-    result = asyncio.run(run_evaluation_once(cfg.shared, cfg.rollout, cfg.eval, label))
+    try:
+        result = asyncio.run(run_evaluation_once(cfg.shared, cfg.rollout, cfg.eval, label, version))
+        result["is_version_asked"] = 1.0
+    except NoEngineAtVersion as exc:
+        print(
+            f"streamrl up: WARNING: the {label} evaluation should be of policy version {version}, but {exc}; "
+            "evaluating what the engines serve instead",
+            file=sys.stderr,
+            flush=True,
+        )
+        result = asyncio.run(run_evaluation_once(cfg.shared, cfg.rollout, cfg.eval, label, 0))
+        result["is_version_asked"] = 0.0
+    result["version_asked"] = float(version)
     print(
         f"streamrl up: held-out accuracy ({label}, version {result['policy_version']:.0f}): "
         f"greedy {result['greedy_accuracy']:.3f}, sampled {result['sampled_accuracy']:.3f}",
@@ -137,12 +183,75 @@ def evaluate_now(cfg: StreamRLConfig, label: str) -> dict[str, float]:
     return result
 
 
+def published_version(cfg: StreamRLConfig) -> int:
+    """The policy version the learner last announced (0 when none)."""
+    client = redis.Redis.from_url(resolve_redis_url(cfg.shared), socket_timeout=5)
+    try:
+        raw = client.get(BrokerKeys.of(cfg.shared, cfg.broker).version)
+    finally:
+        client.close()
+    return 0 if raw is None else int(raw)
+
+
+PROCESSES_FILE = "processes.json"  # the supervisor's children of the latest up of a run directory
+LOCK_FILE = "up.lock"
+
+
+@contextlib.contextmanager
+def hold_run_directory(run_dir: Path) -> Iterator[IO[str]]:
+    """The run directory's lock for the life of this ``up``; ConfigError when another ``up`` holds it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fh = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the life of the run
+    try:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "unknown"
+            raise ConfigError(
+                f"shared.run_dir = {str(run_dir)!r}: another streamrl up (pid {holder}) is running this run"
+            ) from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{os.getpid()}\n")
+        fh.flush()
+        yield fh
+    finally:
+        fh.close()
+
+
+def stop_earlier_processes(cfg: StreamRLConfig) -> None:
+    """Stop what an earlier ``up`` of this run directory left running (its supervisor killed outright, say):
+    two learners or two Redis servers on one run directory must never run at once."""
+    records = read_records(cfg.shared.run_dir / PROCESSES_FILE)
+    found = stop_leftovers(records, cfg.up.grace_s, lambda m: print(f"streamrl up: {m}", flush=True))
+    if found:
+        print(f"streamrl up: stopped {found} process(es) of an earlier up of this run directory", flush=True)
+
+
 def run_up(config: StreamRLConfig) -> int:
+    try:
+        with hold_run_directory(Path(config.shared.run_dir).resolve()):
+            return _run_up(config)
+    except ConfigError as exc:
+        print(f"streamrl up: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _run_up(config: StreamRLConfig) -> int:
     started = time.time()
+    stop_earlier_processes(config)
     cfg = prepare(config)
     run_dir = cfg.shared.run_dir
     print(f"streamrl up: run directory {run_dir} (logs in {run_dir / 'logs'})", flush=True)
-    sup = Supervisor(run_dir / "logs", grace_s=cfg.up.grace_s)
+    sup = Supervisor(
+        run_dir / "logs",
+        grace_s=cfg.up.grace_s,
+        restart_window_s=cfg.up.restart_window_s,
+        restart_delay_s=cfg.up.restart_delay_s,
+        records_path=run_dir / PROCESSES_FILE,
+        say=lambda message: print(f"streamrl up: {message}", flush=True),
+    )
     sup.install_signal_handlers()
     before, after = child_specs(cfg, run_dir / "config.toml")
     status = StatusReader(cfg)
@@ -159,15 +268,15 @@ def run_up(config: StreamRLConfig) -> int:
         code = sup.watch(on_tick=status.ticker(cfg.up.status_interval_s), stop_at_end=False)
         summary["training_wall_seconds"] = time.time() - gen_started
         if code == 0 and not sup.stop_requested.is_set():
-            summary["eval_after"] = evaluate_now(cfg, "after")
+            summary["eval_after"] = evaluate_now(cfg, "after", published_version(cfg))
     except Exception as exc:  # a start that failed: say which role and why, stop the rest
         log.error("%s", exc)
         print(f"streamrl up: {exc}", file=sys.stderr, flush=True)
         code = 1
     finally:
         totals = status.final_totals()  # before Redis stops
+        status.close()  # Redis waits for its clients to leave before it stops
         sup.stop_all()
-        status.close()
     if sup.failure:
         print(f"streamrl up: stopped because {sup.failure}", file=sys.stderr, flush=True)
     write_summary(cfg, summary, started, totals)
@@ -185,6 +294,12 @@ def write_summary(
         "eval_sampled_after": after.get("sampled_accuracy"),
         "eval_version_before": before.get("policy_version"),
         "eval_version_after": after.get("policy_version"),
+        # the final policy's version, and whether eval_*_after measured it (false: a warning was printed)
+        "final_policy_version": after.get("version_asked"),
+        "eval_after_is_final_policy": None
+        if not after
+        else after.get("is_version_asked") == 1.0
+        and after.get("policy_version_max") == after.get("policy_version"),
         **totals,
         "wall_seconds": time.time() - started,
         "training_wall_seconds": summary.get("training_wall_seconds"),
@@ -196,17 +311,33 @@ def write_summary(
     print("\n" + format_summary(out) + f"\n\nsummary: {path}", flush=True)
 
 
+def _audit_line(report: dict[str, Any] | None) -> str:
+    if not report:
+        return "  groups: no audit (Redis did not answer)"
+    line = (
+        f"  groups: {report['generated']} generated, {report['trained']} trained, {report['dropped']} dropped, "
+        f"{report['dead_lettered']} dead-lettered, {report['pending']} pending, "
+        f"{report['trained_twice']} trained twice, {report['lost']} lost"
+    )
+    return line if report["ok"] else line + "   NOT OK: streamrl audit RUN_DIR says which"
+
+
 def format_summary(s: dict[str, Any]) -> str:
     def pct(x: Any) -> str:
         return "n/a" if x is None else f"{100 * x:.1f}%"
 
     dropped = s.get("samples_dropped_by_reason") or {}
+    after_note = ""
+    if s.get("eval_after_is_final_policy") is False:
+        after_note = f"   (NOT the final policy {s.get('final_policy_version')}: no engine served it)"
     lines = [
         "streamrl run summary",
-        f"  held-out accuracy (greedy): {pct(s['eval_reward_before'])} -> {pct(s['eval_reward_after'])}",
+        f"  held-out accuracy (greedy): {pct(s['eval_reward_before'])} -> {pct(s['eval_reward_after'])}"
+        + after_note,
         f"  held-out accuracy (sampled): {pct(s['eval_sampled_before'])} -> {pct(s['eval_sampled_after'])}",
         f"  steps: {s.get('steps')}   policy version: {s.get('policy_version')}",
         f"  samples trained: {s.get('samples_trained')}   dropped: {s.get('samples_dropped')} {dropped}",
+        _audit_line(s.get("audit")),
         f"  wall time: {s['wall_seconds']:.0f} s",
         f"  run directory: {s['run_dir']}",
     ]

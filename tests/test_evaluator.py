@@ -84,3 +84,29 @@ def test_every_versions_0_leaves_the_live_evaluator_out_of_up(tmp_path: Path) ->
 
     assert "eval" in roles(5)
     assert "eval" not in roles(0)
+
+
+async def test_only_engines_serving_the_version_are_evaluated(model_dir: Path) -> None:
+    """One engine restarted on its initial weights (version 0), the other serves version 3: an evaluation of
+    version 3 runs on the second alone and records 3; asking for version 4 is refused, never answered with 0."""
+    from rollout_fleet.evaluator import NoEngineAtVersion, evaluate_through_engines
+    from rollout_fleet.tasks.config import build_task
+
+    with serving(model_dir) as stale, serving(model_dir) as current:
+        current.engine.set_weight_version("3")
+        shared, _, rollout = configs(model_dir, [stale.url, current.url])
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        task = build_task(rollout.task, tokenizer)
+        before = [s.engine.stats()["finished_requests"] for s in (stale, current)]
+        result = await evaluate_through_engines(
+            [stale.url, current.url], task, tokenizer, EVAL, (), 30.0, min_version=3
+        )
+        after = [s.engine.stats()["finished_requests"] for s in (stale, current)]
+        assert (result.version, result.max_version, result.engines) == (3, 3, 1)
+        assert after[0] == before[0] and after[1] == before[1] + 2 * EVAL.heldout_prompts
+        with pytest.raises(NoEngineAtVersion, match="version 4"):
+            await evaluate_through_engines(
+                [stale.url, current.url], task, tokenizer, EVAL, (), 30.0, min_version=4
+            )

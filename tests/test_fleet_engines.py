@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from broker.client import connect
 from broker.config import BrokerConfig, SharedConfig
@@ -147,8 +148,8 @@ def test_sglang_command_line_and_the_missing_extra(tmp_path: Path, monkeypatch: 
     monkeypatch.setattr(fleet_module, "sglang_available", lambda: False)
     with pytest.raises(FleetError, match=r"pip install 'streamrl\[sglang\]'"):
         engine_command(shared, engine, 30007)
-    with pytest.raises(FleetError, match="engine.kind = 'vllm'"):
-        Fleet(shared, engine_config(kind="vllm"))
+    with pytest.raises(ValidationError, match="kind"):  # an unknown kind is refused with the config
+        engine_config(kind="vllm")
 
 
 def test_builtin_command_passes_the_engine_section_through(tmp_path: Path) -> None:
@@ -185,3 +186,56 @@ async def test_engines_of_a_fleet_never_share_a_sampling_seed(redis_url: str, tm
     assert same == 0, f"{same} of 4 samples identical across engines"
     if seed is not None:
         assert "--engine.seed=8" in engine_command(shared, engine_config(seed=seed), 30001, index=1)
+
+
+# A stand-in for SGLang's launcher, put first on PYTHONPATH: it records the command line it was started with and
+# its pid. SGLang cannot run without a GPU; this checks the wiring (`streamrl engine` becomes SGLang's own
+# server process, with the fleet's arguments). The real server runs in tests/test_fleet_sglang.py (gpu).
+STAND_IN = """
+import json, os, sys
+from pathlib import Path
+Path(os.environ["SGLANG_STAND_IN_OUT"]).write_text(json.dumps({"argv": sys.argv[1:], "pid": os.getpid()}))
+"""
+
+
+def test_streamrl_engine_of_kind_sglang_becomes_sglangs_server(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    model = init_tiny_model(tmp_path / "tiny")
+    args = [sys.executable, "-m", "streamrl", "engine", "--engine.kind=sglang", f"--shared.model_path={model}",
+            "--engine.port=30123", "--engine.tp_size=2", '--engine.extra_args=["--disable-cuda-graph"]']  # fmt: skip
+    missing = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2
+    assert "pip install 'streamrl[sglang]'" in missing.stderr + missing.stdout
+
+    fake = tmp_path / "stand-in" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "launch_server.py").write_text(STAND_IN)
+    out = tmp_path / "launched.json"
+    env = {**os.environ, "PYTHONPATH": f"{fake.parent}:{os.environ.get('PYTHONPATH', '')}",
+           "SGLANG_STAND_IN_OUT": str(out)}  # fmt: skip
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.wait(timeout=60) == 0, proc.stdout.read() if proc.stdout else ""
+    launched = json.loads(out.read_text())
+    assert launched["pid"] == proc.pid  # exec: the supervisor watches and signals SGLang itself
+    argv = launched["argv"]
+    pairs = dict(zip(argv[0::2], argv[1::2], strict=False))
+    assert pairs["--model-path"] == str(model) and pairs["--port"] == "30123" and pairs["--tp-size"] == "2"
+    assert argv[-1] == "--disable-cuda-graph"
+
+
+def test_up_with_kind_sglang_and_no_sglang_stops_at_once_naming_the_extra(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    model = init_tiny_model(tmp_path / "tiny")
+    args = [sys.executable, "-m", "streamrl", "up", "--engine.kind=sglang", f"--shared.model_path={model}",
+            f"--shared.run_dir={tmp_path / 'run'}", "--dashboard.port=0", "--dashboard.metrics_base_port=0"]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "engine-0" in done.stderr and "streamrl[sglang]" in done.stderr
+    assert "restarting" not in done.stdout  # a configuration error: restarting cannot help

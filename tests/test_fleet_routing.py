@@ -167,3 +167,52 @@ async def test_a_paused_engine_stays_live_for_the_router(live: ServerThread) -> 
             assert await asyncio.wait_for(router.probe(handle), 5) and handle.healthy
         finally:
             await handle.client.resume()
+
+
+async def test_an_engine_behind_the_staleness_bound_is_not_routed_until_it_catches_up(
+    model_dir: Path,
+) -> None:
+    """A restarted engine serves its initial weights (version 0) while the run is at version 5: with eta 1 no
+    request may go to it until the learner brings it to version 4 or later."""
+    published = [5]
+    with serving(model_dir) as fresh, serving(model_dir) as current:
+        current.engine.set_weight_version("5")
+        async with aiohttp.ClientSession() as session:
+            router = Router(
+                session,
+                None,
+                request_timeout_s=30,
+                control_timeout_s=2.0,
+                health_interval_s=60,  # no periodic probe: only the ones the test asks for
+                no_engine_timeout_s=5.0,
+                min_version=lambda: published[0] - 1,
+            )
+            behind, ok = router.add(fresh.url), router.add(current.url)
+            await router.probe_all()
+            assert behind.healthy and router.behind(behind) and not router.behind(ok)
+            picks = set()
+            for _ in range(6):
+                handle = await router.acquire()
+                picks.add(handle.url)
+                router.release(handle)
+            assert picks == {current.url}  # only the engine within the bound
+            assert router.stats()[f"engine/{behind.engine_id}/behind"] == 1.0
+            assert router.pick(prefer=behind.engine_id) is ok  # not even a sticky resubmit goes there
+
+            # the learner syncs version 5 to it; a new version is announced and the router re-probes at once
+            current.engine.set_weight_version("6")
+            published[0] = 6
+            assert router.routable() == [ok]  # 5 is within eta 1 of 6; the fresh one is not probed yet
+            fresh.engine.set_weight_version("6")
+            router.recheck_behind()
+            await router.aclose()
+            assert not router.behind(behind) and {h.url for h in router.routable()} == {
+                fresh.url,
+                current.url,
+            }
+
+            # an answer with a lower version than known (a restart between probes) triggers a probe
+            fresh.engine.set_weight_version("0")
+            router.observe(behind, 0)
+            await router.aclose()
+            assert router.behind(behind) and behind.weight_version == 0

@@ -36,7 +36,7 @@ async def run_two_steps(redis_url: str, order: str) -> tuple[list[list[int]], di
         )
     config = LearnerConfig(groups_per_step=2, intake_order=order)
     consumer = Consumer(client, shared, BrokerConfig(block_ms=50), "learner-0")
-    admission = StalenessManager(ETA, 2, 100, lambda: 2, InMemoryCounters())
+    admission = StalenessManager(ETA, 2, 100, InMemoryCounters())
     intake = Intake(consumer, admission, config, ETA, lambda: False)
     steps = []
     for learner_version in (2, 3):

@@ -88,3 +88,60 @@ def test_redis_command_runs_until_sigterm(tmp_path: Path) -> None:
     assert client.connection_pool.connection_kwargs["password"] not in err
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(url_file.read_text().strip(), socket_connect_timeout=1).ping()
+
+
+OWNER = """
+import sys, time
+from pathlib import Path
+from broker.config import RedisServerConfig
+from broker.server import EmbeddedRedis
+server = EmbeddedRedis(Path(sys.argv[1]), RedisServerConfig())
+server.start()
+print(server.process.pid, server.port, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_server_dies_with_its_owner_and_a_leftover_is_stopped(tmp_path: Path) -> None:
+    from broker.lifecycle import read_records
+
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    pid, port = (int(x) for x in owner.stdout.readline().split())
+    (record,) = read_records(tmp_path / "pid")
+    assert record.pid == pid and record.alive()
+    redis.Redis.from_url((tmp_path / "url").read_text().strip()).set("k", "kept")
+    owner.send_signal(
+        signal.SIGKILL
+    )  # kill -9 of `streamrl redis`: its server must not keep the port and AOF
+    owner.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while record.alive():
+        assert time.monotonic() < deadline, "redis-server outlived the process that started it"
+        time.sleep(0.05)
+    # the restart takes the same port and the same data
+    with EmbeddedRedis(tmp_path, RedisServerConfig()) as again:
+        assert again.port == port and redis.Redis.from_url(again.url).get("k") == b"kept"
+        # a second owner of the same directory (the first one's server still alive) stops that server first
+        second = EmbeddedRedis(tmp_path, RedisServerConfig())
+        assert not again.alive and second.port == port
+        with second:
+            assert redis.Redis.from_url(second.url).get("k") == b"kept"
+
+
+def test_a_port_taken_by_another_process_gets_a_new_one(tmp_path: Path) -> None:
+    import socket
+
+    with EmbeddedRedis(tmp_path, RedisServerConfig()) as first:
+        old = first.port
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    squatter.bind(("127.0.0.1", old))
+    squatter.listen()
+    try:
+        with EmbeddedRedis(tmp_path, RedisServerConfig()) as second:
+            assert second.port != old
+            assert (tmp_path / "url").read_text().strip() == second.url  # where every role looks for it
+            assert redis.Redis.from_url(second.url).ping()
+    finally:
+        squatter.close()

@@ -30,10 +30,8 @@ async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     await c.aclose()
 
 
-def admission(
-    client: aioredis.Redis, eta: int = 100, groups_per_step: int = 100, version: int = 0
-) -> StalenessManager:
-    return StalenessManager(eta, groups_per_step, 1 << 20, lambda: version, RedisCounters(client, SHARED))
+def admission(client: aioredis.Redis, eta: int = 100, groups_per_step: int = 100) -> StalenessManager:
+    return StalenessManager(eta, groups_per_step, 1 << 20, RedisCounters(client, SHARED))
 
 
 def dispatcher(
@@ -77,7 +75,7 @@ async def test_every_prompt_of_every_epoch_is_handed_out_once_across_concurrent_
 
 
 async def test_an_expired_lease_is_taken_over_with_its_admission_slot(client) -> None:
-    adm = admission(client, eta=0, groups_per_step=3)  # capacity: 3 groups in flight at version 0
+    adm = admission(client, eta=0, groups_per_step=3)  # capacity: 3 groups in flight, none consumed
     a = dispatcher(client, "a", adm, lease_ttl_s=0.3)
     b = dispatcher(client, "b", adm, lease_ttl_s=30.0)
     held = [(await a.lease()).lease for _ in range(3)]

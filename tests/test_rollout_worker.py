@@ -297,7 +297,12 @@ async def test_admission_with_eta_0_starts_one_step_of_groups_per_version(
         counts = await RedisCounters(client, shared).snapshot()
         assert (counts.started, counts.accepted, counts.running) == (2, 2, 0)
         assert await produced() == 2
-        await PolicyVersion(client, shared, BROKER).publish(1)  # the learner consumed a step
+        # what the learner does after a step: the engines get version 1, then it is announced with the count of
+        # groups its weights contain
+        for srv in two_engines:
+            srv.engine.set_weight_version("1")
+        await PolicyVersion(client, shared, BROKER).publish(1)
+        await RedisCounters(client, shared).set_consumed(2)
         for _ in range(200):
             if await produced() >= 4:
                 break

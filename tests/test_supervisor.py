@@ -1,10 +1,17 @@
-"""The supervisor with real child processes: per-child logs, one dies -> all stop, restart, SIGTERM stop."""
+"""The supervisor with real child processes: per-child logs, restarts within a budget (then all stop, with the
+reason), SIGTERM stop, and children that stop by themselves when the supervisor is killed outright."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+from broker.lifecycle import ProcessRecord, read_records
 from streamrl.supervisor import ChildSpec, Supervisor
 
 SLEEPER = "import signal,sys,time; signal.signal(signal.SIGTERM, lambda *a: (print('drained', flush=True), sys.exit(0))); print('up', flush=True); time.sleep(600)"
@@ -28,10 +35,81 @@ def test_one_dies_all_stop_with_reason(tmp_path: Path) -> None:
 def test_restart_on_failure_is_bounded(tmp_path: Path) -> None:
     counter = tmp_path / "count"
     code = f"import pathlib,sys; p=pathlib.Path({str(counter)!r}); p.write_text(p.read_text()+'x' if p.exists() else 'x'); sys.exit(1)"
-    sup = Supervisor(tmp_path / "logs", grace_s=5, poll_s=0.05)
+    said: list[str] = []
+    sup = Supervisor(tmp_path / "logs", grace_s=5, poll_s=0.05, restart_delay_s=0.01, say=said.append)
     sup.start(ChildSpec("flaky", _py(code), restart="on-failure", max_restarts=2))
     assert sup.watch() == 1
     assert counter.read_text() == "xxx"  # first run + 2 restarts, then the supervisor gives up
+    assert sup.failure is not None and "died 3 times" in sup.failure and "budget of 2" in sup.failure
+    assert len(said) == 2 and all("flaky" in m and "restarting" in m for m in said)
+
+
+def test_deaths_outside_the_window_do_not_spend_the_budget(tmp_path: Path) -> None:
+    # dies every ~0.3 s, budget 1 per 0.2 s window: each death is alone in its window, so it keeps restarting
+    counter = tmp_path / "count"
+    code = f"import pathlib,sys,time; time.sleep(0.3); p=pathlib.Path({str(counter)!r}); p.write_text(p.read_text()+'x' if p.exists() else 'x'); sys.exit(1)"
+    sup = Supervisor(tmp_path / "logs", grace_s=5, poll_s=0.02, restart_window_s=0.2, restart_delay_s=0.01)
+    sup.start(ChildSpec("slow-flaky", _py(code), restart="on-failure", max_restarts=1))
+    stop_after = ChildSpec("timer", _py("import time; time.sleep(2.5)"), finishes_run=True)
+    sup.start(stop_after)
+    assert sup.watch() == 0 and sup.failure is None
+    assert len(counter.read_text()) >= 4  # restarted again and again, never more than once per window
+
+
+def test_clean_exit_ends_a_child_and_a_config_error_stops_the_run(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path / "logs", grace_s=5, poll_s=0.05, restart_delay_s=0.01)
+    done = sup.start(ChildSpec("done", _py("print('all epochs done')"), restart="on-failure"))
+    sup.start(ChildSpec("daemon", _py(SLEEPER)))
+    bad = "import sys; print('invalid configuration: learner.lr = -1', file=sys.stderr); sys.exit(2)"
+    sup.start(ChildSpec("misconfigured", _py(bad), restart="on-failure", max_restarts=5))
+    assert sup.watch() == 1
+    assert done.process.returncode == 0 and done.restarts == 0  # a clean exit is not restarted
+    assert sup.failure is not None and "misconfigured" in sup.failure and "learner.lr" in sup.failure
+    assert "restarting" not in (sup.failure or "")  # exit code 2: restarting cannot help
+
+
+def test_always_restarts_even_a_clean_exit(tmp_path: Path) -> None:
+    counter = tmp_path / "count"
+    code = f"import pathlib; p=pathlib.Path({str(counter)!r}); p.write_text(p.read_text()+'x' if p.exists() else 'x')"
+    sup = Supervisor(tmp_path / "logs", grace_s=5, poll_s=0.05, restart_delay_s=0.01)
+    sup.start(ChildSpec("engine", _py(code), restart="always", max_restarts=2))
+    assert sup.watch() == 1 and counter.read_text() == "xxx"
+
+
+SUPERVISED = """
+import sys, time
+from pathlib import Path
+from streamrl.supervisor import ChildSpec, Supervisor
+sup = Supervisor(Path(sys.argv[1]) / "logs", records_path=Path(sys.argv[1]) / "processes.json")
+sup.start(ChildSpec("sleeper", [sys.executable, "-c", sys.argv[2]]))
+print("watching", flush=True)
+sup.watch()
+"""
+
+
+def test_children_stop_by_themselves_when_the_supervisor_is_killed(tmp_path: Path) -> None:
+    sup = subprocess.Popen(
+        [sys.executable, "-c", SUPERVISED, str(tmp_path), SLEEPER], stdout=subprocess.PIPE, text=True
+    )
+    assert sup.stdout is not None and sup.stdout.readline().strip() == "watching"
+    deadline = time.monotonic() + 30
+    while "up" not in (tmp_path / "logs" / "sleeper.log").read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    records = {r.name: r for r in read_records(tmp_path / "processes.json")}
+    assert set(records) == {"up", "sleeper"} and records["up"].pid == sup.pid
+    child = records["sleeper"]
+    assert child.alive()
+    sup.send_signal(signal.SIGKILL)
+    sup.wait(timeout=10)
+    while child.alive():  # the parent-death signal is SIGTERM: it drains and exits on its own
+        assert time.monotonic() < deadline, "the child outlived its supervisor"
+        time.sleep(0.05)
+    assert "drained" in (tmp_path / "logs" / "sleeper.log").read_text()
+    # a record of a process that exited is never mistaken for whatever gets its pid later
+    assert not ProcessRecord(child.name, child.pid, child.started).alive()
+    assert not ProcessRecord("other", os.getpid(), 1).alive()
+    json.loads((tmp_path / "processes.json").read_text())
 
 
 def test_finishing_child_ends_run_cleanly(tmp_path: Path) -> None:

@@ -64,7 +64,10 @@ class WeightSyncConfig(Section):
     )
     engine_urls: list[str] = Field(
         default_factory=list,
-        description="Engine URLs to update (each with one rank); empty: use the registry.",
+        description="Engine URLs to update (each with engine_ranks ranks); empty: use the registry.",
+    )
+    engine_ranks: int = Field(
+        1, ge=1, description="Ranks each engine of engine_urls has in the update group (SGLang's tp size)."
     )
     wait_for_engines_s: float = Field(
         120.0, gt=0, description="How long the learner waits at start for at least one engine to update."

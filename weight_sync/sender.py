@@ -18,7 +18,13 @@ reason other than a timeout), those are quarantined, the group is destroyed and 
 the whole model is sent again (every learner rank takes part in the new gather; rank 0 tells them by a
 one-element broadcast over the learner's group). Survivors keep their weight-update session open across the
 retry, so a partially updated engine never closes a session, never gets ``continue_generation``, and never
-serves. A quarantined engine comes back with ``WeightSender.recover``.
+serves.
+
+Rejoining: before each sync the publisher calls ``WeightSender.rejoin``, which probes every engine's
+``weight_version`` (``GET /model_info``). A quarantined engine that answers again, or a member whose label is not
+the one this sender last completed on it (it restarted, and serves its initial weights), leaves quarantine and
+the group is rebuilt with it, so the sync that follows brings it to the current policy. ``WeightSender.recover``
+(a reload from a Hugging Face export) stays for callers that want an engine back without a sync.
 """
 
 from __future__ import annotations
@@ -360,6 +366,9 @@ class WeightSender:
         self.pause_ended: float | None = None
         self.setup_error: str | None = None
         self.syncs = 0
+        # The weight_version label this sender last completed on each engine (an update that ended and
+        # continued). A member whose probe reports anything else restarted since, or was updated by someone else.
+        self.given: dict[str, str] = {}
         # Broadcasts given up on, with their buffers: gloo may still read them until the peer goes away.
         self._abandoned: list[tuple[list, list]] = []
         self._pool: BufferPool | None = None
@@ -432,6 +441,11 @@ class WeightSender:
         if not members:
             return {}
         cfg = self.config
+        # A group of this name that an engine still holds is the leftover of a learner that died (the engine
+        # would refuse to join a second one): destroy it first. "Does not exist" is the usual answer.
+        self.http.call_all(
+            [e.url for e in members], protocol.DESTROY_GROUP, protocol.destroy_group_body(cfg.group_name)
+        )
         offsets, world = rank_layout(members)
         store = open_store(self.address, cfg.master_port, 0, world, cfg.timeout_s)
         port = store.port
@@ -487,12 +501,67 @@ class WeightSender:
             self.sessions.discard(url)
             self.paused.discard(url)  # it stays paused on its side: a partially updated engine never serves
             self.has_session.pop(url, None)
+            self.given.pop(url, None)
 
     def _alive(self, urls: Iterable[str]) -> dict[str, bool]:
         """A cheap probe that never generates (``/health`` would block while paused): any HTTP answer."""
         timeout = min(self.config.timeout_s, 5.0)
         futures = {u: self.http.submit(u, protocol.MODEL_INFO, None, timeout, method="GET") for u in urls}
         return {u: not wait_reply(f, timeout).transport_failed for u, f in futures.items()}
+
+    def probe_versions(self, urls: Iterable[str]) -> dict[str, str | None]:
+        """Each engine's ``weight_version`` label from ``GET /model_info`` (never generates); None when it does
+        not answer. SGLang's initial label is ``"default"``."""
+        timeout = min(self.config.timeout_s, 5.0)
+        futures = {u: self.http.submit(u, protocol.MODEL_INFO, None, timeout, method="GET") for u in urls}
+        out: dict[str, str | None] = {}
+        for url, fut in futures.items():
+            reply = wait_reply(fut, timeout)
+            body = reply.body if isinstance(reply.body, dict) else {}
+            out[url] = str(body.get("weight_version", "")) if reply.status == 200 else None
+        return out
+
+    def rejoin_plan(self) -> tuple[dict[str, str], dict[str, str]]:
+        """(engines to bring back, members to quarantine), each {url: why}, from one probe of every engine:
+
+        - a quarantined engine that answers (restarted, or healthy again) comes back;
+        - a member whose label differs from the one this sender last completed on it restarted (or was changed
+          behind our back): its place in the group is gone, so it joins again;
+        - a member that does not answer is quarantined, before a sync waits on it."""
+        labels = self.probe_versions([e.url for e in self.engines])
+        back: dict[str, str] = {}
+        for url, reason in self.quarantined.items():
+            if labels.get(url) is not None:
+                back[url] = f"answers again (weight_version {labels[url]!r}) after: {reason}"
+        for engine in self.members:
+            label, given = labels.get(engine.url), self.given.get(engine.url)
+            if label is not None and given is not None and label != given:
+                back[engine.url] = f"serves weight_version {label!r}, was given {given!r}: it restarted"
+        silent = {
+            e.url: "no answer to a probe before a sync" for e in self.members if labels.get(e.url) is None
+        }
+        return back, silent
+
+    def rejoin(self) -> dict[str, str]:
+        """Carry out :meth:`rejoin_plan` and rebuild the group when anything changed; returns the engines brought
+        back. The caller's next ``sync_weights`` then gives every engine in the group the current weights."""
+        back, silent = self.rejoin_plan()
+        for url, why in back.items():
+            log.info("engine %s rejoins: %s", url, why)
+            self._forget(url)
+        if silent:
+            self._quarantine(silent)
+        if back or silent or (self.group is None and self.healthy):
+            self.connect()
+        return back
+
+    def _forget(self, url: str) -> None:
+        """Drop everything this sender believed about an engine: it starts over as a new member."""
+        self.quarantined.pop(url, None)
+        self.paused.discard(url)
+        self.sessions.discard(url)
+        self.has_session.pop(url, None)
+        self.given.pop(url, None)
 
     def _blame(self, failures: dict[str, Reply]) -> dict[str, str]:
         """Which engines caused a failed step: dead ones (transport failure or no answer to a probe); if none
@@ -531,7 +600,7 @@ class WeightSender:
             state.failed.update({e.url: reason for e in self.healthy})
             return False
         if not attempt.failed:
-            failures = self._complete(attempt.members)
+            failures = self._complete(attempt.members, str(attempt.version))
             if not failures:
                 state.ok = [e.url for e in attempt.members]
                 return False
@@ -553,8 +622,9 @@ class WeightSender:
             state.failed[url] = f"not updated after {state.attempts} attempts: {attempt.error or 'failed'}"
         return False
 
-    def _complete(self, members: list[EngineSpec]) -> dict[str, Reply]:
-        """End the sessions, then let generation continue, on engines that received the whole model."""
+    def _complete(self, members: list[EngineSpec], label: str) -> dict[str, Reply]:
+        """End the sessions, then let generation continue, on engines that received the whole model (they now
+        serve ``label``)."""
         urls = [e.url for e in members]
         ends = self.http.call_all([u for u in urls if u in self.sessions], protocol.END, protocol.end_body())
         failures = {u: r for u, r in ends.items() if not r.ok}
@@ -563,6 +633,11 @@ class WeightSender:
         conts = self.http.call_all(resumable, protocol.CONTINUE, protocol.continue_body())
         failures.update({u: r for u, r in conts.items() if not r.ok})
         self.paused -= {u for u, r in conts.items() if r.ok}
+        for url, reply in conts.items():
+            if reply.ok:
+                self.given[url] = label
+            else:
+                self.given.pop(url, None)
         self.pause_ended = time.perf_counter()
         return failures
 
@@ -594,6 +669,7 @@ class WeightSender:
             self.quarantined[url] = f"recovery failed: {cont.describe()}"
             return False
         self.quarantined.pop(url, None)
+        self.given[url] = weight_version
         self.connect()
         return url not in self.quarantined
 

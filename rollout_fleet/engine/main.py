@@ -1,13 +1,20 @@
 """``streamrl engine`` / ``python -m rollout_fleet.engine``: serve a model over SGLang's HTTP protocol.
 
-The process runs until SIGTERM or SIGINT; then it stops taking requests, aborts and answers every in-flight
-one (``finish_reason.type == "abort"`` with the partial output), frees the port and exits 0.
+``engine.kind = "builtin"``: the built-in engine, in this process. It runs until SIGTERM or SIGINT; then it
+stops taking requests, aborts and answers every in-flight one (``finish_reason.type == "abort"`` with the
+partial output), frees the port and exits 0.
+
+``engine.kind = "sglang"``: this process becomes SGLang's own server (``python -m sglang.launch_server`` with
+the arguments the fleet builds from ``[engine]``, :func:`rollout_fleet.fleet.engine_command`), by ``exec``: same
+pid, so a supervisor watches and signals SGLang itself. Without the ``streamrl[sglang]`` extra it exits 2 with
+an error that names it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import signal
 from collections.abc import Iterable
@@ -61,8 +68,27 @@ def server_settings(engine: EngineConfig) -> ServerSettings:
     )
 
 
+def exec_sglang(shared: SharedConfig, engine: EngineConfig) -> int:
+    """Replace this process with SGLang's server for ``engine`` (returns only on an error: exit code 2)."""
+    from rollout_fleet.fleet import FleetError, engine_command
+
+    port = engine.port or engine.base_port
+    try:
+        argv = engine_command(shared, engine, port)
+    except FleetError as exc:
+        log.error("cannot start the engine: %s", exc)
+        return 2
+    log.info("engine.kind = sglang: exec %s", " ".join(argv))
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os.execv(argv[0], argv)
+    return 2  # not reached
+
+
 def run_engine(shared: SharedConfig, engine: EngineConfig, extensions: Iterable[Extension] = ()) -> int:
     """Serve on engine.host : (engine.port or engine.base_port) until SIGTERM / SIGINT; returns the exit code."""
+    if engine.kind == "sglang":
+        return exec_sglang(shared, engine)
     torch.set_num_threads(shared.torch_threads)
     try:
         pin_to_cpus(engine.cpu_affinity, "engine.cpu_affinity")
