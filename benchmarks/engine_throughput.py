@@ -78,7 +78,7 @@ class EngineProcess:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
-            sys.executable, "-m", "rollout_fleet.engine",
+            sys.executable, "-m", "streamrl", "engine",
             f"--shared.model_path={model}", "--shared.torch_threads=1", f"--engine.port={self.port}",
             f"--engine.max_running_requests={batch}", f"--engine.max_context_len={CONTEXT}", "--engine.device=cpu",
         ]  # fmt: skip

@@ -32,12 +32,13 @@ class ConnectionStats:
     connects: int = 0
 
 
-LEARNER_CLIENT_NAME = "streamrl-learner"  # the learner's connections (the embedded Redis stops after them)
+CLIENT_NAME = "streamrl"  # CLIENT SETNAME of every role's connections: the embedded Redis stops after them
+LEARNER_CLIENT_NAME = "streamrl-learner"
 
 
-def connect(url: str, config: BrokerConfig | None = None, name: str | None = None) -> aioredis.Redis:
+def connect(url: str, config: BrokerConfig | None = None, name: str = CLIENT_NAME) -> aioredis.Redis:
     """An asyncio Redis client for ``url`` with retries, back-off, health checks and socket timeouts from
-    ``config``; ``name`` is its CLIENT SETNAME. Responses are bytes (payloads are binary)."""
+    ``config``; ``name`` (CLIENT SETNAME) starts with ``streamrl``. Responses are bytes (payloads are binary)."""
     cfg = config or BrokerConfig()
     if cfg.tune_allocator:
         tune_allocator()

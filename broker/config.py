@@ -57,10 +57,10 @@ class RedisServerConfig(Section):
         10.0, gt=0, description="Grace period for SHUTDOWN before the server is killed."
     )
     drain_timeout_s: float = Field(
-        30.0,
+        60.0,
         ge=0,
-        description="On SIGTERM, how long to wait for the learner's connections to close before shutting down "
-        "(its final checkpoint is acknowledged in Redis), seconds.",
+        description="On SIGTERM, how long to wait for the roles' connections to close before shutting down "
+        "(the learner's final checkpoint, the workers' hand-backs), seconds.",
     )
 
 

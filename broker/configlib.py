@@ -8,12 +8,9 @@ Errors name the dotted field and the offending value, so ``--learner.lr=abc`` sa
 from __future__ import annotations
 
 import json
-import logging
-import sys
 import tomllib
 import types
 import typing
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -158,14 +155,18 @@ def iter_fields(model: type[BaseModel], prefix: str = "") -> typing.Iterator[tup
         yield dotted, _type_name(annotation), default, field.description or ""
 
 
-def render_help(model: type[BaseModel], sections: typing.Iterable[str] | None = None) -> str:
-    """Every field of the selected sections, with its type, default and one-line doc."""
+def render_help(
+    model: type[BaseModel], sections: typing.Iterable[str] | None = None, fields: typing.Iterable[str] = ()
+) -> str:
+    """Every field of the selected sections (all when None), plus the single dotted ``fields`` named, with its
+    type, default and one-line doc."""
     wanted = set(sections) if sections is not None else None
+    singles = set(fields)
     lines = []
     current = None
     for dotted, type_name, default, doc in iter_fields(model):
         section = dotted.split(".", 1)[0]
-        if wanted is not None and section not in wanted:
+        if wanted is not None and section not in wanted and dotted not in singles:
             continue
         if section != current:
             current = section
@@ -175,37 +176,3 @@ def render_help(model: type[BaseModel], sections: typing.Iterable[str] | None = 
         lines.append(f"  --{dotted} {type_name} (default: {shown})")
         lines.append(f"      {doc}")
     return "\n".join(lines).lstrip("\n")
-
-
-def role_main(
-    prog: str,
-    model: type[T],
-    argv: list[str] | None,
-    run: Callable[[T], int],
-    *,
-    base: Callable[[], dict[str, Any] | None] | None = None,
-    log_format: str | None = None,
-    error_prefix: str = "",
-) -> int:
-    """The ``main(argv)`` every ``python -m <prog>`` role shares, so they answer ``--help`` and bad input alike.
-
-    ``-h`` / ``--help`` prints the usage line and :func:`render_help` of ``model`` and returns 0. Otherwise the
-    config is loaded (defaults < ``base()`` < ``--config FILE`` < overrides; ``base`` is called only then, so
-    ``--help`` reads no environment), logging is set up with ``log_format`` (None: the role sets it up itself,
-    e.g. once per rank) and ``run(config)`` gives the exit code. A :class:`ConfigError` - from loading or from
-    ``run`` - is printed to stderr as ``error_prefix`` + its message (which names the field and the value),
-    with exit code 2, instead of a traceback. ``argv`` None means ``sys.argv[1:]``.
-    """
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in args or "--help" in args:
-        print(f"usage: python -m {prog} [--config FILE] [--section.field=value ...]\n")
-        print(render_help(model))
-        return 0
-    try:
-        cfg = load_config(model, args, base=base() if base is not None else None)
-        if log_format is not None:
-            logging.basicConfig(level=logging.INFO, format=log_format)
-        return run(cfg)
-    except ConfigError as exc:
-        print(f"{error_prefix}{exc}", file=sys.stderr)
-        return 2

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -18,12 +17,10 @@ def url_file(shared: SharedConfig) -> Path:
 
 
 def resolve_redis_url(shared: SharedConfig, wait_s: float = 0.0) -> str:
-    """``shared.redis_url`` (or REDIS_URL, already folded into it), else ``RUN_DIR/redis/url``, waiting up to
-    ``wait_s`` for the embedded server to write it."""
+    """``shared.redis_url`` (where the config loader put REDIS_URL: streamrl.config.env_defaults), else
+    ``RUN_DIR/redis/url``, waiting up to ``wait_s`` for the embedded server to write it."""
     if shared.redis_url:
         return shared.redis_url
-    if os.environ.get("REDIS_URL"):
-        return os.environ["REDIS_URL"]
     path = url_file(shared)
     deadline = time.monotonic() + wait_s
     while True:

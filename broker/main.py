@@ -1,4 +1,4 @@
-"""``streamrl redis`` / ``python -m broker``: run the embedded Redis server as a daemon until stopped."""
+"""``streamrl redis``: run the embedded Redis server as a daemon until stopped."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import time
 
 import redis
 
-from broker.client import LEARNER_CLIENT_NAME
+from broker.client import CLIENT_NAME
 from broker.config import RedisServerConfig, SharedConfig
-from broker.configlib import Section, role_main
 from broker.server import EmbeddedRedis, RedisServerError
 
 log = logging.getLogger("streamrl.redis")
@@ -58,18 +57,20 @@ OWN_CLIENT_NAME = "streamrl-redis-role"  # this process's own connections
 
 
 def _wait_for_clients_to_leave(url: str, timeout_s: float) -> None:
-    """Stop after the learner: when every role is told to stop at once (their supervisor died), the learner's
-    final checkpoint still needs Redis to acknowledge what it contains. Waits until no learner connection is
-    left, at most ``timeout_s``."""
+    """Stop last: when every role is told to stop at once (their supervisor died), the learner's final
+    checkpoint still needs Redis to acknowledge what it contains, and the rollout workers to hand their
+    unfinished prompts back. Waits until no role's connection (CLIENT SETNAME ``streamrl...``) is left, at
+    most ``timeout_s``; other clients (a redis-cli, a test) are not waited for."""
     client = redis.Redis.from_url(url, socket_timeout=2, client_name=OWN_CLIENT_NAME)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
-            learners = [c for c in client.client_list() if c.get("name", "").startswith(LEARNER_CLIENT_NAME)]
-            if not learners:
+            names = [c.get("name", "") for c in client.client_list()]
+            roles = [n for n in names if n.startswith(CLIENT_NAME) and n != OWN_CLIENT_NAME]
+            if not roles:
                 return
             time.sleep(0.2)
-        log.warning("the learner is still connected after %.0f s: stopping anyway", timeout_s)
+        log.warning("roles still connected after %.0f s: stopping anyway", timeout_s)
     except redis.RedisError as exc:
         log.warning("could not list clients before stopping: %s", exc)
     finally:
@@ -86,18 +87,3 @@ def _start_metrics(host: str, port: int | None, url: str):  # noqa: ANN202 - Met
     except OSError as exc:
         log.warning("no Prometheus endpoint for redis on port %d: %s", port, exc)
         return None
-
-
-class _RedisRoleConfig(Section):
-    shared: SharedConfig = SharedConfig()
-    redis: RedisServerConfig = RedisServerConfig()
-
-
-def main(argv: list[str] | None = None) -> int:
-    return role_main(
-        "broker",
-        _RedisRoleConfig,
-        argv,
-        lambda cfg: run_redis(cfg.shared, cfg.redis),
-        log_format="%(asctime)s redis %(levelname)s: %(message)s",
-    )

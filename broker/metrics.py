@@ -45,7 +45,17 @@ def producer_field(producer_id: str, name: str) -> str:
     return f"producer:{producer_id}:{name}"
 
 
-def _number(raw: bytes | str) -> float | int | str:
+METRICS_PREFIX = "metrics:"  # + role: the per-role metrics stream (under the run's namespace)
+
+
+def metrics_key(shared: SharedConfig, role: str = "") -> str:
+    """The metrics stream of ``role`` (``role`` empty: the prefix every role's stream starts with)."""
+    return shared.key(f"{METRICS_PREFIX}{role}")
+
+
+def parse_number(raw: bytes | str) -> float | int | str:
+    """A stored number as an int or a float (the text itself when it is neither): how every reader of the
+    metrics streams and the counters hashes turns Redis' strings back into numbers."""
     text = raw.decode() if isinstance(raw, bytes) else raw
     try:
         return int(text)
@@ -77,7 +87,7 @@ class BrokerMetrics:
         pipe.xlen(self.keys.dead_letter)
         pipe.xlen(self.keys.dropped)
         raw, backlog, length, dead_len, dropped_len = await pipe.execute()
-        fields = {_text(k): _number(v) for k, v in raw.items()}
+        fields = {_text(k): parse_number(v) for k, v in raw.items()}
         return {
             "ts": time.time(),
             "counters": {k: v for k, v in fields.items() if ":" not in k},
@@ -137,7 +147,7 @@ class MetricsWriter:
         if not role or ":" in role:
             raise ValueError(f"role = {role!r}: must be a non-empty name without ':'")
         self.client = client
-        self.key = shared.key(f"metrics:{role}")
+        self.key = metrics_key(shared, role)
         self.maxlen = maxlen
 
     async def write(self, values: Mapping[str, float | int], ts: float | None = None) -> str:
@@ -159,19 +169,19 @@ class MetricsReader:
         self.shared = shared
 
     def key(self, role: str) -> str:
-        return self.shared.key(f"metrics:{role}")
+        return metrics_key(self.shared, role)
 
     async def read(
         self, role: str, start: str = "-", end: str = "+", count: int | None = None
     ) -> list[tuple[str, dict[str, float | int]]]:
         """Points of ``role`` between entry ids ``start`` and ``end``, oldest first."""
         rows = await self.client.xrange(self.key(role), start, end, count=count)
-        return [(_text(i), {_text(k): _number(v) for k, v in f.items()}) for i, f in rows]
+        return [(_text(i), {_text(k): parse_number(v) for k, v in f.items()}) for i, f in rows]
 
     async def latest(self, role: str) -> dict[str, float | int] | None:
         """The newest point of ``role``, or None when it has written none."""
         rows = await self.client.xrevrange(self.key(role), "+", "-", count=1)
-        return {_text(k): _number(v) for k, v in rows[0][1].items()} if rows else None
+        return {_text(k): parse_number(v) for k, v in rows[0][1].items()} if rows else None
 
     async def follow(
         self, role: str, last_id: str = "$", block_ms: int = 1000
@@ -180,4 +190,4 @@ class MetricsReader:
         res = await self.client.xread({self.key(role): last_id}, block=block_ms)
         if not res:
             return []
-        return [(_text(i), {_text(k): _number(v) for k, v in f.items()}) for i, f in res[0][1]]
+        return [(_text(i), {_text(k): parse_number(v) for k, v in f.items()}) for i, f in res[0][1]]

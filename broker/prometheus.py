@@ -35,6 +35,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, start_http_server
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from broker.metrics import parse_number
+
 log = logging.getLogger("streamrl.prometheus")
 
 Values = Mapping[str, Any]
@@ -293,23 +295,13 @@ def stream_latest_source(
         rows = client().xrevrange(stream_key, "+", "-", count=1)
         if not rows:
             return {}
-        return {_decode(k): _parse_number(_decode(v)) for k, v in rows[0][1].items()}
+        return {_decode(k): parse_number(_decode(v)) for k, v in rows[0][1].items()}
 
     return source
 
 
 def _decode(raw: Any) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
-
-
-def _parse_number(text: str) -> float | int | str:
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            return text
 
 
 class LatestMetrics:

@@ -197,7 +197,8 @@ def rewards_tensor(groups: list[TrajectoryGroup]) -> list[torch.Tensor]:
 
 
 def group_advantages(groups: list[TrajectoryGroup], config: LearnerConfig) -> list[torch.Tensor]:
-    """Advantages per group; groups of equal size are computed together, as the estimators take [G, N]."""
+    """Advantages per group, each group on its own (groups may differ in size; the estimators take [G, N], here
+    [1, N_g] per group)."""
     out: list[torch.Tensor] = []
     for rewards in rewards_tensor(groups):
         out.append(compute_advantages(rewards[None, :], config.advantage)[0])

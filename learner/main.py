@@ -1,4 +1,4 @@
-"""``streamrl learner`` / ``python -m learner``: run W learner ranks (spawned here, or under torchrun)."""
+"""``streamrl learner``: run W learner ranks (spawned here, or under torchrun)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 from broker.config import BrokerConfig, SharedConfig
-from broker.configlib import ConfigError, Section, dump_config, role_main
+from broker.configlib import ConfigError
 from broker.cpus import pin_to_cpus
 from broker.discovery import resolve_redis_url
 from broker.lifecycle import die_with_parent
@@ -21,16 +22,17 @@ from weight_sync.config import WeightSyncConfig
 log = logging.getLogger("streamrl.learner")
 
 
-class LearnerRoleConfig(Section):
-    """The sections the learner reads."""
+@dataclass(frozen=True)
+class LearnerSections:
+    """The config sections the learner reads (the application's root assembles and validates them)."""
 
-    shared: SharedConfig = SharedConfig()
-    broker: BrokerConfig = BrokerConfig()
-    learner: LearnerConfig = LearnerConfig()
-    weight_sync: WeightSyncConfig = WeightSyncConfig()
+    shared: SharedConfig
+    broker: BrokerConfig
+    learner: LearnerConfig
+    weight_sync: WeightSyncConfig
 
 
-def run_rank(cfg: LearnerRoleConfig) -> int:
+def run_rank(cfg: LearnerSections) -> int:
     """The body of one rank (RANK / WORLD_SIZE / MASTER_* from the environment)."""
     from learner.publish import VersionOnlyPublisher, WeightSyncPublisher, registry_engines
     from learner.trainer import Learner
@@ -70,7 +72,7 @@ def run_rank(cfg: LearnerRoleConfig) -> int:
 FAILED_RANK_GRACE_S = 5.0
 
 
-def spawn_ranks(cfg: LearnerRoleConfig, argv: list[str]) -> int:
+def spawn_ranks(cfg: LearnerSections, rank_command: list[str]) -> int:
     """Start ``world_size`` rank processes and supervise them: SIGTERM is forwarded, one failure stops all.
 
     Each rank is SIGKILLed when this launcher dies: a restarted launcher's ranks must never run beside the
@@ -81,11 +83,7 @@ def spawn_ranks(cfg: LearnerRoleConfig, argv: list[str]) -> int:
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "learner", *argv], env=env, preexec_fn=die_with_parent(signal.SIGKILL)
-            )
-        )
+        procs.append(subprocess.Popen(rank_command, env=env, preexec_fn=die_with_parent(signal.SIGKILL)))
 
     def forward(signum: int, _frame: object) -> None:
         for p in procs:
@@ -114,17 +112,11 @@ def spawn_ranks(cfg: LearnerRoleConfig, argv: list[str]) -> int:
         time.sleep(0.2)
 
 
-def run_learner(cfg: LearnerRoleConfig) -> int:
-    """Run as one rank under torchrun (RANK set), else spawn the ranks with the resolved config file."""
+def run_learner(cfg: LearnerSections, rank_command: list[str]) -> int:
+    """Run as one rank under torchrun (RANK set), else spawn ``learner.world_size`` ranks, each running
+    ``rank_command`` (the learner's entry path with the run's resolved config) with its RANK set."""
     if "RANK" in os.environ:
         return run_rank(cfg)
     if cfg.shared.model_path is None:
         raise ConfigError("shared.model_path is not set: the learner needs a Hugging Face model directory")
-    path = cfg.shared.run_dir / "config.learner.toml"
-    dump_config(cfg, path)
-    return spawn_ranks(cfg, ["--config", str(path)])
-
-
-def main(argv: list[str] | None = None) -> int:
-    # No log_format: each rank sets up its own logging (run_rank), with its rank in the format.
-    return role_main("learner", LearnerRoleConfig, argv, run_learner, error_prefix="learner: ")
+    return spawn_ranks(cfg, rank_command)

@@ -3,7 +3,7 @@
 Every learner rank calls ``publish`` (all of them take part in the FSDP2 gathers); only rank 0 holds a
 ``WeightSender`` and talks to engines. ``publish`` returns a :class:`Publication`: the trainer announces the
 version in Redis only when it says so, i.e. when every engine in the pool confirmed the update and at least one
-did. Engines that failed were quarantined and left the pool; before every sync the sender probes the engines,
+did (or no engine is known at all: nobody to wait for). Engines that failed were quarantined and left the pool; before every sync the sender probes the engines,
 and a quarantined one that answers again, or a member that restarted (its ``weight_version`` is not the one it was
 given), rejoins the group and gets the current weights in that same sync. While the learner waits for data it
 asks :meth:`WeightSyncPublisher.wants_resync` now and then, so an engine that comes back while no step runs
@@ -12,7 +12,6 @@ still gets the policy.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ import redis
 from torch import nn
 
 from broker.config import SharedConfig
+from broker.registry import read_registry
 from weight_sync.config import WeightSyncConfig
 from weight_sync.sender import WeightSender, sync_weights
 
@@ -52,15 +52,12 @@ class VersionOnlyPublisher:
 
 
 def registry_engines(redis_url: str, shared: SharedConfig) -> Callable[[], list[tuple[str, int]]]:
-    """Engines listed in the fleet's registry (``shared.key("engines")``, docs/rollout.md) that are not dead or
-    stopped, as (url, ranks); read without importing the rollout fleet."""
+    """Engines listed in the fleet's registry (broker.registry) that are not dead or stopped, as (url, ranks)."""
     client = redis.Redis.from_url(redis_url, socket_timeout=10)
-    key = shared.key("engines")
 
     def read() -> list[tuple[str, int]]:
-        entries = [json.loads(raw) for raw in client.hvals(key)]
-        alive = [e for e in entries if e.get("health") not in ("dead", "stopped")]
-        return sorted((e["url"].rstrip("/"), int(e.get("ranks", 1))) for e in alive)
+        alive = [e for e in read_registry(client, shared) if e.health not in ("dead", "stopped")]
+        return sorted((e.url.rstrip("/"), e.ranks) for e in alive)
 
     return read
 
@@ -97,9 +94,9 @@ class WeightSyncPublisher:
     def _refresh_membership(self) -> None:
         if self.sender is None or self.engines is None:
             return
-        current = self.engines()
+        current = sorted(self.engines())
         known = sorted((e.url, e.ranks) for e in self.sender.engines)
-        if current and current != known:
+        if current and current != known:  # the same engines in another order are no change
             log.info("engine membership changed: %s -> %s; rebuilding the update group", known, current)
             self.sender.set_engines(current)  # rebuilds the group with the engines present
 
@@ -117,7 +114,10 @@ class WeightSyncPublisher:
         if result.engines_failed:
             log.error("weight sync v%d: engines failed: %s", version, result.engines_failed)
         pool = {e.url for e in self.sender.healthy}
-        announce = bool(result.engines_ok) and pool <= set(result.engines_ok)
+        # every engine of the pool has it, and one at least; with no engine known at all there is nobody to wait
+        # for (engines that register later get the current weights when they join)
+        known = bool(self.sender.engines)
+        announce = pool <= set(result.engines_ok) and (bool(result.engines_ok) or not known)
         if not announce:
             log.error(
                 "weight sync v%d reached %s of the pool %s: version not announced; the learner retries",

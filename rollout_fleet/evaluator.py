@@ -225,12 +225,16 @@ async def last_evaluated_version(reader: MetricsReader) -> int | None:
 
 
 async def evaluator_loop(
-    shared: SharedConfig, rollout: RolloutConfig, config: EvalConfig, stop: asyncio.Event
+    shared: SharedConfig,
+    broker: BrokerConfig,
+    rollout: RolloutConfig,
+    config: EvalConfig,
+    stop: asyncio.Event,
 ) -> None:
     """Evaluate whenever the published policy version advanced by ``every_versions`` since the last one."""
     tokenizer, task = _tokenizer_and_task(shared, rollout)
-    client = connect(resolve_redis_url(shared, wait_s=30))
-    versions = PolicyVersion(client, shared, BrokerConfig())
+    client = connect(resolve_redis_url(shared, wait_s=30), broker)
+    versions = PolicyVersion(client, shared, broker)
     writer = MetricsWriter(client, shared, "eval")
     last = await last_evaluated_version(MetricsReader(client, shared))
     try:
@@ -255,7 +259,9 @@ async def evaluator_loop(
         await client.aclose()
 
 
-def run_evaluator(shared: SharedConfig, rollout: RolloutConfig, config: EvalConfig) -> int:
+def run_evaluator(
+    shared: SharedConfig, broker: BrokerConfig, rollout: RolloutConfig, config: EvalConfig
+) -> int:
     """``streamrl eval``: evaluate alongside training until SIGTERM / SIGINT."""
     if not rollout.engine_urls:
         log.error("rollout.engine_urls is empty: the evaluator needs the engines' URLs")
@@ -269,7 +275,7 @@ def run_evaluator(shared: SharedConfig, rollout: RolloutConfig, config: EvalConf
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await evaluator_loop(shared, rollout, config, stop)
+        await evaluator_loop(shared, broker, rollout, config, stop)
 
     asyncio.run(main())
     return 0

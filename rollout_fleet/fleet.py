@@ -2,7 +2,8 @@
 
 ``Fleet(shared, engine, registry).start()`` launches ``engine.count`` servers on ports ``base_port + i``:
 
-- ``engine.kind = "builtin"``: ``python -m rollout_fleet.engine --engine.port=P --shared.model_path=... ...``
+- ``engine.kind = "builtin"``: ``python -m streamrl engine --engine.port=P --shared.model_path=... ...`` (the
+  engine role's entry path)
   (every ``[engine]`` field is passed through, so the child serves exactly the configured engine);
 - ``engine.kind = "sglang"``: ``python -m sglang.launch_server --model-path ... --host ... --port P --tp-size T
   --mem-fraction-static F ...`` (plus ``engine.extra_args``). SGLang is the optional extra
@@ -35,9 +36,9 @@ from pathlib import Path
 import aiohttp
 
 from broker.config import SharedConfig
+from broker.registry import EngineRegistry, engine_id_for
 from rollout_fleet.client import EngineClient, wait_until_healthy
 from rollout_fleet.config import EngineConfig
-from rollout_fleet.registry import EngineRegistry, engine_id_for
 
 log = logging.getLogger("streamrl.fleet")
 
@@ -66,7 +67,7 @@ def engine_command(shared: SharedConfig, engine: EngineConfig, port: int, index:
     model = _model_path(shared, engine)
     engine = engine.model_copy(update={"seed": engine.seed_of(index)})
     if engine.kind == "builtin":
-        args = [sys.executable, "-m", "rollout_fleet.engine"]
+        args = [sys.executable, "-m", "streamrl", "engine"]
         for name, value in engine.model_dump(mode="json").items():
             if value is not None and name not in ("port", "model_path"):
                 args.append(f"--engine.{name}={json.dumps(value)}")
@@ -74,6 +75,8 @@ def engine_command(shared: SharedConfig, engine: EngineConfig, port: int, index:
             f"--engine.port={port}",
             f"--shared.model_path={json.dumps(str(model))}",
             f"--shared.torch_threads={shared.torch_threads}",
+            f"--shared.run_dir={json.dumps(str(shared.run_dir))}",
+            f"--shared.run_id={json.dumps(shared.run_id)}",
         ]
     if engine.kind == "sglang":
         if not sglang_available():

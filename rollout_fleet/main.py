@@ -1,4 +1,4 @@
-"""``streamrl rollout`` / ``python -m rollout_fleet``: one rollout worker process.
+"""``streamrl rollout``: one rollout worker process.
 
 ``run_rollout(shared, broker, engine, rollout, groups_per_step)`` runs a worker on a uvloop event loop until
 SIGTERM / SIGINT (it then drains: no new groups, in-flight ones get ``rollout.drain_timeout_s`` to finish, the
@@ -29,19 +29,18 @@ from pathlib import Path
 import aiohttp
 import redis.asyncio as aioredis
 import uvloop
-from pydantic import ConfigDict, Field
 
 from broker.client import connect
 from broker.config import BrokerConfig, SharedConfig
-from broker.configlib import ConfigError, Section, role_main
+from broker.configlib import ConfigError
 from broker.discovery import RedisNotFound, resolve_redis_url
 from broker.metrics import MetricsWriter
 from broker.producer import Producer
+from broker.registry import EngineRegistry
 from broker.staleness import RedisCounters, StalenessManager
 from rollout_fleet.config import EngineConfig, RolloutConfig
 from rollout_fleet.dispatch import DispatchMismatch, PromptDispatcher
 from rollout_fleet.fleet import Fleet, FleetError
-from rollout_fleet.registry import EngineRegistry
 from rollout_fleet.rewards import RewardPool
 from rollout_fleet.router import Router
 from rollout_fleet.tasks import TRAIN, TaskError
@@ -250,42 +249,3 @@ def run_rollout(
     except (ConfigError, TaskError, DispatchMismatch, FleetError, RedisNotFound, OSError) as exc:
         log.error("rollout worker cannot run: %s", exc)
         return 2
-
-
-class LearnerView(Section):
-    """The one learner setting the rollout role reads (the rest of a shared config file's section is ignored)."""
-
-    model_config = ConfigDict(extra="ignore", validate_assignment=True)
-
-    groups_per_step: int = Field(
-        16, ge=1, description="Prompt groups the learner consumes per optimizer step."
-    )
-
-
-class RolloutRoleConfig(Section):
-    """The config tree of ``python -m rollout_fleet`` (sections of other roles in a shared file are ignored)."""
-
-    model_config = ConfigDict(extra="ignore", validate_assignment=True)
-
-    shared: SharedConfig = Field(default_factory=SharedConfig, description="Settings every role shares.")
-    broker: BrokerConfig = Field(default_factory=BrokerConfig, description="The trajectory stream transport.")
-    engine: EngineConfig = Field(default_factory=EngineConfig, description="Inference engines.")
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout workers.")
-    learner: LearnerView = Field(
-        default_factory=LearnerView, description="The learner (admission counts its steps)."
-    )
-
-
-def _env_base() -> dict | None:
-    return {"shared": {"redis_url": os.environ["REDIS_URL"]}} if os.environ.get("REDIS_URL") else None
-
-
-def main(argv: list[str] | None = None) -> int:
-    return role_main(
-        "rollout_fleet",
-        RolloutRoleConfig,
-        argv,
-        lambda cfg: run_rollout(cfg.shared, cfg.broker, cfg.engine, cfg.rollout, cfg.learner.groups_per_step),
-        base=_env_base,
-        log_format="%(asctime)s rollout %(levelname)s %(name)s: %(message)s",
-    )

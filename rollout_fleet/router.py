@@ -34,8 +34,8 @@ from typing import Any
 
 import aiohttp
 
+from broker.registry import EngineRegistry, engine_id_for, normalize_url
 from rollout_fleet.client import EngineClient, parse_version
-from rollout_fleet.registry import EngineRegistry, engine_id_for, normalize_url
 
 log = logging.getLogger("streamrl.router")
 

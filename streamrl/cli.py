@@ -24,14 +24,21 @@ commands:
   audit RUN_DIR  account for every prompt group of a run: generated, trained, dropped, lost
 
 `streamrl COMMAND --help` lists every config field the command reads, with its type, default and doc.
-Values come from the defaults, then REDIS_URL, then --config, then the dotted overrides."""
+Values come from the defaults, then REDIS_URL, then --config, then the dotted overrides. Every role starts here
+(also as `python -m streamrl COMMAND`), so every role runs the same validation, the rules that span roles
+included."""
 
 
 @dataclass(frozen=True)
 class Command:
     summary: str
-    sections: tuple[str, ...]
+    sections: tuple[str, ...]  # whole sections the command reads
     run: Callable[[StreamRLConfig], int]
+    fields: tuple[str, ...] = ()  # single fields it reads from other sections (shown by --help too)
+
+
+# Every role with a Prometheus endpoint of its own port reads where to serve it.
+METRICS_FIELDS = ("dashboard.metrics_host", "dashboard.metrics_base_port")
 
 
 def _with_prometheus(config: StreamRLConfig, role: str, index: int, run: Callable[[], int]) -> int:
@@ -65,14 +72,21 @@ def _run_engine(config: StreamRLConfig) -> int:
 
 
 def _run_learner(config: StreamRLConfig) -> int:
-    from learner.main import LearnerRoleConfig, run_learner
+    from learner.main import LearnerSections, run_learner
 
-    role = LearnerRoleConfig(
-        shared=config.shared, broker=config.broker, learner=config.learner, weight_sync=config.weight_sync
-    )
+    role = LearnerSections(config.shared, config.broker, config.learner, config.weight_sync)
+    # Each rank runs this same entry path with the resolved config main() wrote, and its RANK set.
+    ranks = [
+        sys.executable,
+        "-m",
+        "streamrl",
+        "learner",
+        "--config",
+        str(resolved_config_path(config, "learner")),
+    ]
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 serves the learner's metrics
-        return run_learner(role)
-    return _with_prometheus(config, "learner", 0, lambda: run_learner(role))
+        return run_learner(role, ranks)
+    return _with_prometheus(config, "learner", 0, lambda: run_learner(role, ranks))
 
 
 def _run_rollout(config: StreamRLConfig) -> int:
@@ -93,7 +107,7 @@ def _run_eval(config: StreamRLConfig) -> int:
     from rollout_fleet.evaluator import run_evaluator
 
     return _with_prometheus(
-        config, "eval", 0, lambda: run_evaluator(config.shared, config.rollout, config.eval)
+        config, "eval", 0, lambda: run_evaluator(config.shared, config.broker, config.rollout, config.eval)
     )
 
 
@@ -110,22 +124,27 @@ def _run_up(config: StreamRLConfig) -> int:
 
 
 COMMANDS: dict[str, Command] = {
-    "redis": Command("run the embedded Redis server until stopped", ("shared", "redis"), _run_redis),
+    "redis": Command(
+        "run the embedded Redis server until stopped", ("shared", "redis"), _run_redis, METRICS_FIELDS
+    ),
     "engine": Command("serve a model over SGLang's HTTP protocol", ("shared", "engine"), _run_engine),
     "rollout": Command(
         "run rollout workers writing trajectory groups to the stream",
         ("shared", "broker", "engine", "rollout"),
         _run_rollout,
+        ("learner.groups_per_step", *METRICS_FIELDS),  # admission counts in learner steps
     ),
     "learner": Command(
         "train from the stream and publish weights",
         ("shared", "broker", "learner", "weight_sync"),
         _run_learner,
+        METRICS_FIELDS,
     ),
     "eval": Command(
         "evaluate held-out accuracy through the engines as training goes",
-        ("shared", "rollout", "eval"),
+        ("shared", "broker", "rollout", "eval"),
         _run_eval,
+        METRICS_FIELDS,
     ),
     "dashboard": Command("serve the live dashboard", ("shared", "dashboard", "broker"), _run_dashboard),
     "up": Command(
@@ -192,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"usage: streamrl {name} [--config FILE.toml] [--section.field=value ...]\n\n{command.summary}\n"
         )
-        print(render_help(StreamRLConfig, command.sections))
+        print(render_help(StreamRLConfig, command.sections, command.fields))
         return 0
     try:
         rest = _resume_args(name, rest)
@@ -200,9 +219,28 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"streamrl {name}: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
-    dump_config(config, config.shared.run_dir / f"config.{name}.toml")
-    return command.run(config)
+    if name != "learner":  # each learner rank sets up its own logging, with its rank in the format
+        logging.basicConfig(
+            level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s"
+        )
+    if "RANK" not in os.environ:  # a rank runs from the file its launcher wrote: leave it as it is
+        dump_config(config, resolved_config_path(config, name))
+    try:
+        return command.run(config)
+    except ConfigError as exc:  # a value that only the role itself can refuse (a path, a core, a model)
+        print(f"streamrl {name}: {exc}", file=sys.stderr)
+        return 2
+
+
+def resolved_config_path(config: StreamRLConfig, command: str) -> Path:
+    """Where ``streamrl COMMAND`` writes the config it runs with: ``RUN_DIR/config.COMMAND.toml``, one per
+    engine port and per rollout worker (several of those run in one run directory)."""
+    name = command
+    if command == "engine":
+        name = f"engine-{config.engine.port or config.engine.base_port}"
+    elif command == "rollout" and config.rollout.worker_id:
+        name = f"rollout-{config.rollout.worker_id}"
+    return Path(config.shared.run_dir) / f"config.{name}.toml"
 
 
 if __name__ == "__main__":

@@ -32,33 +32,30 @@ import logging
 import math
 import re
 import signal
-import sys
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import web
-from pydantic import Field
 
 from broker.client import connect
 from broker.config import BrokerConfig, SharedConfig
-from broker.configlib import Section, role_main
 from broker.discovery import RedisNotFound, resolve_redis_url
-from broker.metrics import BrokerMetrics, MetricsReader
+from broker.metrics import BrokerMetrics, MetricsReader, metrics_key, parse_number
 from broker.prometheus import MetricsServer, metrics_route, start_metrics_server, stream_latest_source
+from broker.registry import EngineInfo, registry_key
 from broker.version import PolicyVersion
-from streamrl.config import DashboardConfig, StreamRLConfig, env_defaults
+from streamrl.config import DashboardConfig, StreamRLConfig
 
 log = logging.getLogger("streamrl.dashboard")
 
 STATIC_DIR = Path(__file__).parent / "static"
 BROKER_ROLE = "broker"  # pseudo-role: the server's samples of the broker snapshot
-REGISTRY_NAME = "engines"  # the engine registry hash (rollout_fleet.registry, docs/rollout.md)
 ROLES_CACHE_S = 5.0
 _ROLE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _STREAM_ID = re.compile(r"^\d+(-\d+)?$")
@@ -193,18 +190,16 @@ class DashboardState:
         self.broker_history.append((self._sample_seq, broker_sample(snap, self.broker_config.consumer_group)))
 
     async def read_registry(self) -> list[dict[str, Any]]:
-        """The registry's entries as dicts; an entry that is not a JSON object becomes ``{"error": ...}``."""
-        raw = await self.client.hgetall(self.shared.key(REGISTRY_NAME))
-        out = []
+        """The registry's entries (broker.registry.EngineInfo) as dicts; an entry that cannot be read becomes
+        ``{"engine_id", "error"}``."""
+        raw = await self.client.hgetall(registry_key(self.shared))
+        out: list[dict[str, Any]] = []
         for field, value in sorted(raw.items()):
             engine_id = _text(field)
             try:
-                entry = json.loads(value)
-                if not isinstance(entry, dict):
-                    raise ValueError("not a JSON object")
-            except ValueError as exc:
-                entry = {"error": f"unreadable registry entry: {exc}"}
-            entry.setdefault("engine_id", engine_id)
+                entry = asdict(EngineInfo.from_json(value))
+            except (ValueError, TypeError) as exc:
+                entry = {"engine_id": engine_id, "error": f"unreadable registry entry: {exc}"}
             out.append(entry)
         return out
 
@@ -280,7 +275,7 @@ class DashboardState:
         at, cached = self._roles
         if time.monotonic() - at < ROLES_CACHE_S and cached:
             return cached
-        prefix = self.shared.key("metrics:")
+        prefix = metrics_key(self.shared)
         found = set()
         async for key in self.client.scan_iter(match=_glob_escape(prefix) + "*", count=500):
             role = _text(key)[len(prefix) :]
@@ -297,7 +292,7 @@ class DashboardState:
             rows = await self.client.xrevrange(self.reader.key(role), "+", "-", count=1)
             if rows:
                 entry_id, values = rows[0][0], rows[0][1]
-                point = {_text(k): _number(v) for k, v in values.items()}
+                point = {_text(k): parse_number(v) for k, v in values.items()}
                 ts = point.get("ts")
                 age = now - ts if isinstance(ts, (int, float)) else None
                 roles[role] = {"id": _text(entry_id), "age_s": age, "values": point}
@@ -328,7 +323,9 @@ class DashboardState:
             rows = await self.client.xrange(key, f"({since}", "+", count=limit + 1)
             more = len(rows) > limit
             rows = rows[:limit]
-        points = [{"id": _text(i), "values": {_text(k): _number(v) for k, v in f.items()}} for i, f in rows]
+        points = [
+            {"id": _text(i), "values": {_text(k): parse_number(v) for k, v in f.items()}} for i, f in rows
+        ]
         last = points[-1]["id"] if points else since
         return {"role": role, "points": points, "last_id": last, "more": more}
 
@@ -365,17 +362,6 @@ class DashboardState:
             if engine["weight_version"] is not None and engine["weight_version"].lstrip("-").isdigit():
                 out[f"engine/weight_version/{i}"] = int(engine["weight_version"])
         return out
-
-
-def _number(raw: Any) -> Any:
-    text = _text(raw)
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            return text
 
 
 # -- HTTP ----------------------------------------------------------------------------------------------------
@@ -538,7 +524,7 @@ def serve_role_metrics(config: StreamRLConfig, role: str, index: int = 0) -> Met
     if port is None:
         return None
     shared = config.shared
-    source = stream_latest_source(lambda: resolve_redis_url(shared), shared.key(f"metrics:{role}"))
+    source = stream_latest_source(lambda: resolve_redis_url(shared), metrics_key(shared, role))
     labels = {"run": shared.run_id} if role != "rollout" else {"run": shared.run_id, "worker": str(index)}
     try:
         return start_metrics_server(config.dashboard.metrics_host, port, role, source, labels)
@@ -550,27 +536,3 @@ def serve_role_metrics(config: StreamRLConfig, role: str, index: int = 0) -> Met
 def run(config: StreamRLConfig) -> int:
     """Entry point for ``streamrl dashboard`` (the CLI passes the whole config tree)."""
     return run_dashboard(config.shared, config.dashboard, config.broker)
-
-
-class DashboardRoleConfig(Section):
-    """The sections ``python -m streamrl.dashboard`` reads."""
-
-    shared: SharedConfig = Field(default_factory=SharedConfig, description="Settings every role shares.")
-    broker: BrokerConfig = Field(default_factory=BrokerConfig, description="The trajectory stream transport.")
-    dashboard: DashboardConfig = Field(default_factory=DashboardConfig, description="The live dashboard.")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m streamrl.dashboard [--config FILE] [--section.field=value ...]``."""
-    return role_main(
-        "streamrl.dashboard",
-        DashboardRoleConfig,
-        argv,
-        lambda cfg: run_dashboard(cfg.shared, cfg.dashboard, cfg.broker),
-        base=env_defaults,
-        log_format="%(asctime)s dashboard %(levelname)s: %(message)s",
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

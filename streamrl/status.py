@@ -12,19 +12,15 @@ import redis
 
 from broker.client import BrokerKeys, connect
 from broker.discovery import RedisNotFound, resolve_redis_url
-from broker.metrics import RUN_INFO_KEY
+from broker.metrics import RUN_INFO_KEY, metrics_key, parse_number
 from broker.outcomes import audit
 from streamrl.config import StreamRLConfig
 
 
 def _numbers(fields: dict[bytes, bytes]) -> dict[str, float]:
-    out = {}
-    for k, v in fields.items():
-        try:
-            out[k.decode()] = float(v)
-        except ValueError:
-            continue
-    return out
+    """The numeric fields of a metrics point (as floats)."""
+    parsed = {k.decode(): parse_number(v) for k, v in fields.items()}
+    return {k: float(v) for k, v in parsed.items() if not isinstance(v, str)}
 
 
 class StatusReader:
@@ -48,7 +44,7 @@ class StatusReader:
     def latest(self, role: str) -> dict[str, float]:
         if self.client is None:
             return {}
-        rows = self.client.xrevrange(self.config.shared.key(f"metrics:{role}"), count=1)
+        rows = self.client.xrevrange(metrics_key(self.config.shared, role), count=1)
         return _numbers(rows[0][1]) if rows else {}
 
     def rollout_totals(self) -> dict[str, float]:
@@ -56,7 +52,7 @@ class StatusReader:
         if self.client is None:
             return {}
         total: dict[str, float] = {}
-        for key in self.client.scan_iter(self.config.shared.key("metrics:rollout*")):
+        for key in self.client.scan_iter(metrics_key(self.config.shared, "rollout*")):
             rows = self.client.xrevrange(key, count=1)
             for k, v in (_numbers(rows[0][1]) if rows else {}).items():
                 total[k] = total.get(k, 0.0) + v
@@ -144,7 +140,7 @@ class StatusReader:
         """Sums over every learner step of the run: time waiting for data (generation, when synchronous), time
         training, and the token-weighted mean staleness."""
         try:
-            rows = self.client.xrange(self.config.shared.key("metrics:learner")) if self.client else []
+            rows = self.client.xrange(metrics_key(self.config.shared, "learner")) if self.client else []
         except (redis.RedisError, OSError):
             rows = []
         points = [_numbers(fields) for _, fields in rows]

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
-from pydantic import Field
 
-from broker.configlib import ConfigError, Section, iter_fields, load_config, role_main
+from broker.configlib import ConfigError, iter_fields, load_config
 from streamrl.cli import main
 from streamrl.config import StreamRLConfig, load
 
@@ -92,83 +90,41 @@ def test_model_init_builds_a_hugging_face_directory(tmp_path: Path) -> None:
     assert main(["model", "nonsense"]) == 2
 
 
-class _Inner(Section):
-    size: int = Field(3, ge=1, description="How many widgets the toy role makes.")
-    name: str = Field("w", description="What the toy role calls them.")
+ROLES = ("redis", "engine", "rollout", "learner", "eval", "dashboard")
 
 
-class _ToyRoleConfig(Section):
-    toy: _Inner = Field(default_factory=_Inner, description="A toy role.")
-
-
-def _toy_main(argv: list[str], seen: list[_ToyRoleConfig], **kwargs: object) -> int:
-    def run(cfg: _ToyRoleConfig) -> int:
-        seen.append(cfg)
-        return 7
-
-    return role_main("toy", _ToyRoleConfig, argv, run, **kwargs)  # type: ignore[arg-type]
-
-
-def test_role_main_help_prints_field_docs_without_running(capsys: pytest.CaptureFixture[str]) -> None:
-    seen: list[_ToyRoleConfig] = []
-    base_calls: list[int] = []
-    for flag in ("--help", "-h"):
-        code = _toy_main([flag, "--toy.size=abc"], seen, base=lambda: base_calls.append(1) or None)
-        assert code == 0
-        out = capsys.readouterr().out
-        assert out.startswith("usage: python -m toy [--config FILE] [--section.field=value ...]\n")
-        assert "--toy.size int (default: 3)" in out and "How many widgets the toy role makes." in out
-    assert seen == [] and base_calls == []  # --help neither runs the role nor reads its base
-
-
-def test_role_main_bad_value_exits_2_naming_field_and_value(capsys: pytest.CaptureFixture[str]) -> None:
-    seen: list[_ToyRoleConfig] = []
-    assert _toy_main(["--toy.size=abc"], seen, error_prefix="toy: ") == 2
-    err = capsys.readouterr().err
-    assert err.startswith("toy: invalid configuration:") and "toy.size = 'abc'" in err
-    assert _toy_main(["--toy.size=0"], seen) == 2
-    assert "toy.size = 0" in capsys.readouterr().err
-    assert _toy_main(["--toy.sise=4"], seen) == 2
-    assert "toy.sise" in capsys.readouterr().err
-    assert seen == []
-
-
-def test_role_main_runs_with_the_validated_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    seen: list[_ToyRoleConfig] = []
-    cfg_file = tmp_path / "toy.toml"
-    cfg_file.write_text('[toy]\nsize = 5\nname = "file"\n')
-    base = {"toy": {"size": 2, "name": "base"}}
-    args = ["--config", str(cfg_file), "--toy.size", "9"]
-    assert _toy_main(args, seen, base=lambda: base) == 7  # run's exit code is main's
-    assert [(c.toy.size, c.toy.name) for c in seen] == [(9, "file")]  # base < file < overrides, as ints
-
-    def failing(cfg: _ToyRoleConfig) -> int:
-        raise ConfigError(f"toy.name = {cfg.toy.name!r}: not a widget")
-
-    assert role_main("toy", _ToyRoleConfig, ["--toy.name=x"], failing, error_prefix="toy: ") == 2
-    assert capsys.readouterr().err == "toy: toy.name = 'x': not a widget\n"
-
-
-@pytest.mark.parametrize(
-    ("module", "prog", "section"),
-    [
-        ("broker.main", "broker", "redis"),
-        ("rollout_fleet.engine.main", "rollout_fleet.engine", "engine"),
-        ("rollout_fleet.main", "rollout_fleet", "rollout"),
-        ("learner.main", "learner", "learner"),
-        ("streamrl.dashboard", "streamrl.dashboard", "dashboard"),
-    ],
-)
-def test_every_role_main_shares_help_and_errors(
-    module: str, prog: str, section: str, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("role", ROLES)
+def test_every_role_has_one_entry_path_with_the_roots_validation(
+    role: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    main_of_role = importlib.import_module(module).main
-    assert main_of_role(["--help"]) == 0
+    """`streamrl ROLE` is the only way to start a role: its --help lists what it reads, a bad value is refused
+    naming the field and the value, and the rules that span roles are checked for every role."""
+    from streamrl.cli import COMMANDS, main
+
+    assert main([role, "--help"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"usage: python -m {prog} [--config FILE]") and f"\n[{section}]" in out
-    assert main_of_role(["--shared.eta=abc"]) == 2
-    err = capsys.readouterr().err
-    assert "shared.eta = 'abc'" in err and err.startswith("learner: " if prog == "learner" else "invalid")
+    assert out.startswith(f"usage: streamrl {role} [--config FILE.toml]")
+    for section in COMMANDS[role].sections:
+        assert f"\n[{section}]" in out
+    for field in COMMANDS[role].fields:
+        assert f"--{field} " in out  # the single fields it reads from other sections
+    assert main([role, "--shared.eta=abc"]) == 2
+    assert "shared.eta = 'abc'" in capsys.readouterr().err
+    # a rule that spans roles (the back-pressure bound) is refused by the rollout worker and the redis server
+    # alike, not only by `streamrl up`
+    assert main([role, "--broker.max_backlog=1"]) == 2
+    assert "broker.max_backlog = 1" in capsys.readouterr().err
+
+
+def test_rollout_help_lists_the_learner_and_metrics_fields_it_reads(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from streamrl.cli import main
+
+    assert main(["rollout", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--learner.groups_per_step int" in out and "--dashboard.metrics_base_port int" in out
+    assert "--learner.lr " not in out  # the rest of the learner section is not the worker's
 
 
 def test_cpu_affinity_pins_the_process_and_names_a_missing_core() -> None:

@@ -30,9 +30,9 @@ from broker.consumer import Consumer
 from broker.metrics import MetricsWriter
 from broker.producer import Producer
 from broker.record import synthetic_group
+from broker.registry import EngineRegistry
 from broker.server import EmbeddedRedis
 from broker.version import PolicyVersion
-from rollout_fleet.registry import EngineRegistry
 from streamrl.config import DashboardConfig
 from streamrl.dashboard import RunningDashboard, start_dashboard
 
@@ -241,7 +241,7 @@ def free_port() -> int:
 
 def test_daemon_serves_until_sigterm_and_says_when_there_is_no_redis(redis_url: str, tmp_path: Path) -> None:
     port = free_port()
-    args = [sys.executable, "-m", "streamrl.dashboard", f"--shared.redis_url={redis_url}"]
+    args = [sys.executable, "-m", "streamrl", "dashboard", f"--shared.redis_url={redis_url}"]
     args += ["--shared.run_id=proc", f"--dashboard.port={port}", "--dashboard.refresh_s=0.2"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -268,7 +268,8 @@ def test_daemon_serves_until_sigterm_and_says_when_there_is_no_redis(redis_url: 
         [
             sys.executable,
             "-m",
-            "streamrl.dashboard",
+            "streamrl",
+            "dashboard",
             f"--shared.run_dir={tmp_path}",
             "--dashboard.redis_wait_s=0",
         ],

@@ -24,12 +24,12 @@ from broker.consumer import Consumer
 from broker.metrics import MetricsReader, MetricsWriter
 from broker.producer import Producer
 from broker.record import synthetic_group
+from broker.registry import EngineRegistry
 from broker.staleness import staleness_stats
 from broker.version import PolicyVersion
 from rollout_fleet.engine.core import Engine
 from rollout_fleet.engine.server import ServerSettings, ServerThread
 from rollout_fleet.model import init_tiny_model
-from rollout_fleet.registry import EngineRegistry
 from streamrl.config import DashboardConfig
 from streamrl.dashboard import start_dashboard
 from tests.dashboard_page import chromium, screenshot, tile, wait_for
@@ -262,7 +262,7 @@ async def test_page_follows_a_real_learner_run(
         await producer.send(g)
     running = await start_dashboard(client, shared, DASH, BROKER, port=0)
     args = [
-        sys.executable, "-m", "learner", f"--shared.run_dir={tmp_path / 'run'}", f"--shared.redis_url={redis_url}",
+        sys.executable, "-m", "streamrl", "learner", f"--shared.run_dir={tmp_path / 'run'}", f"--shared.redis_url={redis_url}",
         f"--shared.model_path={model_dir}", "--shared.run_id=real", "--shared.eta=2", "--learner.world_size=1",
         "--learner.groups_per_step=4", "--learner.wandb_mode=disabled", "--learner.max_steps=2",
         "--learner.micro_batch_tokens=256", "--learner.export_hf=false",

@@ -56,7 +56,7 @@ def test_sigterm_answers_in_flight_requests_and_frees_the_port(tmp_path: Path) -
     model = init_tiny_model(tmp_path / "tiny")
     port = free_port()
     cmd = [
-        sys.executable, "-m", "rollout_fleet.engine",
+        sys.executable, "-m", "streamrl", "engine",
         f"--shared.model_path={model}", "--shared.torch_threads=1",
         f"--engine.port={port}", "--engine.max_context_len=4096", "--engine.max_running_requests=4",
     ]  # fmt: skip

@@ -28,7 +28,7 @@ TIMEOUT_S = 20.0
 
 
 def start_engine(model_dir: Path, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "rollout_fleet.engine", f"--shared.model_path={model_dir}", f"--engine.port={port}",
+    cmd = [sys.executable, "-m", "streamrl", "engine", f"--shared.model_path={model_dir}", f"--engine.port={port}",
            f"--engine.control_timeout_s={TIMEOUT_S}"]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

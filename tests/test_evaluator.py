@@ -49,7 +49,7 @@ async def test_evaluator_skips_the_baseline_and_evaluates_new_versions(
         assert await last_evaluated_version(reader) == 0
 
         stop = asyncio.Event()
-        loop = asyncio.create_task(evaluator_loop(shared, rollout, EVAL, stop))
+        loop = asyncio.create_task(evaluator_loop(shared, BrokerConfig(), rollout, EVAL, stop))
         served_before = server.engine.stats()["finished_requests"]
         await asyncio.sleep(1.0)  # twenty polls of version 0
         assert len(await reader.read("eval")) == 1

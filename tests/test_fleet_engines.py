@@ -14,12 +14,12 @@ from pydantic import ValidationError
 
 from broker.client import connect
 from broker.config import BrokerConfig, SharedConfig
+from broker.registry import EngineRegistry
 from rollout_fleet import fleet as fleet_module
 from rollout_fleet.config import EngineConfig
 from rollout_fleet.fleet import Fleet, FleetError, engine_command
 from rollout_fleet.main import open_worker
 from rollout_fleet.model import init_tiny_model
-from rollout_fleet.registry import EngineRegistry
 from rollout_fleet.tasks.config import TaskConfig
 from tests.test_rollout_worker import configs, read_drops, read_records
 
@@ -155,7 +155,7 @@ def test_sglang_command_line_and_the_missing_extra(tmp_path: Path, monkeypatch: 
 def test_builtin_command_passes_the_engine_section_through(tmp_path: Path) -> None:
     shared = SharedConfig(model_path=tmp_path / "m", torch_threads=1)
     cmd = engine_command(shared, engine_config(max_running_requests=5, extra_args=[]), 31000)
-    assert cmd[1:3] == ["-m", "rollout_fleet.engine"]
+    assert cmd[1:4] == ["-m", "streamrl", "engine"]
     assert "--engine.port=31000" in cmd and "--engine.max_running_requests=5" in cmd
     assert f'--shared.model_path="{tmp_path / "m"}"' in cmd and '--engine.kind="builtin"' in cmd
 

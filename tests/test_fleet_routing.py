@@ -14,10 +14,10 @@ import redis.asyncio as aioredis
 
 from broker.client import connect
 from broker.config import BrokerConfig, SharedConfig
+from broker.registry import EngineRegistry, RegistryError, engine_id_for
 from rollout_fleet.engine.core import Engine
 from rollout_fleet.engine.server import ServerThread
 from rollout_fleet.model import init_tiny_model
-from rollout_fleet.registry import EngineRegistry, RegistryError, engine_id_for
 from rollout_fleet.router import NoEngineAvailable, Router
 from tests.test_rollout_worker import serving
 

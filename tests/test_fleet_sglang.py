@@ -12,10 +12,10 @@ import pytest
 
 from broker.client import connect
 from broker.config import BrokerConfig, SharedConfig
+from broker.registry import EngineRegistry
 from rollout_fleet.config import EngineConfig
 from rollout_fleet.fleet import Fleet
 from rollout_fleet.model import init_tiny_model
-from rollout_fleet.registry import EngineRegistry
 from rollout_fleet.tasks.config import TaskConfig
 from tests.test_rollout_worker import configs, read_records, run_worker
 

@@ -12,6 +12,7 @@ import redis
 
 from broker.client import BrokerKeys
 from broker.config import BrokerConfig, SharedConfig
+from broker.metrics import metrics_key
 from learner.losses import POLICY_LOSSES
 from rollout_fleet.model import init_tiny_model
 from tests.synth import sample_groups
@@ -49,7 +50,7 @@ def test_each_policy_loss_trains_one_step(
     client = redis.Redis.from_url(redis_url)
     keys = BrokerKeys.of(SharedConfig(run_id="test"), BrokerConfig())
     assert int(client.get(keys.version)) == 1
-    points = client.xrange(SharedConfig(run_id="test").key("metrics:learner"))
+    points = client.xrange(metrics_key(SharedConfig(run_id="test"), "learner"))
     assert len(points) == 1
     metrics = {k.decode(): float(v) for k, v in points[0][1].items()}
     assert metrics["step_applied"] == 1.0 and metrics["skipped_steps"] == 0.0

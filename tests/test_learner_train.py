@@ -16,6 +16,7 @@ import redis
 
 from broker.client import BrokerKeys, connect
 from broker.config import BrokerConfig, SharedConfig
+from broker.metrics import metrics_key
 from broker.producer import Producer
 from rollout_fleet.model import init_tiny_model
 from tests.synth import sample_groups
@@ -38,7 +39,7 @@ def start_learner(
     tmp_path: Path, url: str, model_dir: Path, *extra: str, new_session: bool = False
 ) -> subprocess.Popen:
     args = [
-        sys.executable, "-m", "learner", f"--shared.run_dir={tmp_path / 'run'}", f"--shared.redis_url={url}",
+        sys.executable, "-m", "streamrl", "learner", f"--shared.run_dir={tmp_path / 'run'}", f"--shared.redis_url={url}",
         f"--shared.model_path={model_dir}", "--shared.run_id=test", "--shared.eta=1",
         "--learner.world_size=2", "--learner.groups_per_step=4", "--learner.wandb_mode=disabled",
         "--learner.lr=1e-3", "--learner.micro_batch_tokens=64", "--weight_sync.engines=none", *extra,
@@ -91,7 +92,7 @@ def test_learner_trains_filters_stale_and_acknowledges(tmp_path: Path, redis_url
     trained = [e["group_id"] for ledger in ledgers for e in ledger if e["outcome"] == "trained"]
     assert sorted(trained) == sorted(g.group_id for g in fresh + late)  # each exactly once
 
-    points = client.xrange(SharedConfig(run_id="test").key("metrics:learner"))
+    points = client.xrange(metrics_key(SharedConfig(run_id="test"), "learner"))
     assert len(points) == 3
     first = {k.decode(): float(v) for k, v in points[0][1].items()}
     assert first["staleness/max"] == 0 and first["policy_version"] == 1
@@ -114,7 +115,8 @@ def test_sigterm_then_kill9_resume_trains_each_group_once(tmp_path: Path, redis_
     produce(redis_url, groups)
     keys = BrokerKeys.of(SharedConfig(run_id="test"), BrokerConfig())
     client = redis.Redis.from_url(redis_url)
-    common = ("--shared.eta=100", "--learner.checkpoint_every=2", "--learner.keep_checkpoints=20")
+    common = ("--shared.eta=100", "--learner.checkpoint_every=2", "--learner.keep_checkpoints=20",
+              "--broker.max_backlog=512")  # fmt: skip  # the back-pressure bound for eta 100
 
     # 1. SIGTERM after the first step: it finishes the step, checkpoints and exits 0
     proc = start_learner(tmp_path, redis_url, model_dir, *common)

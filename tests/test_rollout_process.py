@@ -49,18 +49,19 @@ async def slow_engine(tmp_path: Path) -> AsyncIterator[tuple[Path, ServerThread]
 def spawn_worker(
     tmp_path: Path, redis_url: str, shared: SharedConfig, rollout: RolloutConfig, **overrides: Any
 ) -> subprocess.Popen:
-    """``python -m rollout_fleet --config FILE`` with ``rollout`` plus ``overrides``; output in NAME.log."""
+    """``streamrl rollout --config FILE`` with ``rollout`` plus ``overrides``; output in NAME.log."""
     config = {
         "shared": {**shared.model_dump(mode="json", exclude_none=True), "redis_url": redis_url},
         "rollout": {**rollout.model_dump(mode="json", exclude_none=True), **overrides},
         "learner": {"groups_per_step": 100},
+        "broker": {"max_backlog": 20_000},  # the back-pressure bound of eta 100: (5 + 100 + 1) x 100 groups
     }
     name = overrides.get("worker_id", "worker")
     path = tmp_path / f"{name}.toml"
     path.write_text(tomli_w.dumps(config))
     with open(tmp_path / f"{name}.log", "wb") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "rollout_fleet", "--config", str(path)],
+            [sys.executable, "-m", "streamrl", "rollout", "--config", str(path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},

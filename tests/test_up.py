@@ -17,8 +17,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import redis
 
+from benchmarks.crash_cost import learner_step
 from streamrl.config import METRICS_PORT_OFFSETS
 from tests.prom import scrape
 
@@ -68,19 +68,6 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
         return True
-
-
-def learner_step(run_dir: Path) -> int:
-    url_file = run_dir / "redis" / "url"
-    if not url_file.is_file():
-        return -1
-    try:
-        rows = redis.Redis.from_url(url_file.read_text().strip()).xrevrange(
-            "streamrl:default:metrics:learner", count=1
-        )
-    except redis.RedisError:
-        return -1
-    return int(float(rows[0][1][b"step"])) if rows else -1
 
 
 def scrape_every_daemon(run_dir: Path, metrics_base: int) -> dict[str, dict]:

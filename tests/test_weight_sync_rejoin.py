@@ -144,22 +144,27 @@ def test_a_restarted_or_returning_engine_gets_the_current_weights(engines: Engin
 
 def test_a_version_no_engine_got_is_not_announced(engines: Engines) -> None:
     model, opt = learner_model(engines.model_dir)
-    pool = [(u, 1) for u in engines.urls]
+    pool = sorted(((u, 1) for u in engines.urls), reverse=True)  # not in the sender's (sorted) order
     publisher = WeightSyncPublisher(CONFIG, lambda: pool, is_main=True, wait_for_engines_s=5)
+    assert publisher.sender is not None
     _train_step(model, opt, seed=0)
     assert publisher.publish(model, 1, initial=False).announce
+    group = publisher.sender.group
+    _train_step(model, opt, seed=1)
+    assert publisher.publish(model, 2, initial=False).announce
+    assert publisher.sender.group is group  # the same engines in another order: no rebuild at every sync
     engines.kill(0)
     engines.kill(1)
-    _train_step(model, opt, seed=1)
-    nowhere = publisher.publish(model, 2, initial=False)
+    _train_step(model, opt, seed=2)
+    nowhere = publisher.publish(model, 3, initial=False)
     assert not nowhere.announce and nowhere.metrics["sync_engines_ok"] == 0
     assert not publisher.wants_resync()  # nobody to bring back yet
     engines.start(0)
     engines.wait(0)
     assert publisher.wants_resync()  # engine 0 answers again: sync now, not at the next step
-    partial = publisher.publish(model, 2, initial=False)
+    partial = publisher.publish(model, 3, initial=False)
     # engine 1 is still quarantined: out of the pool, so the version reached every engine there is
     assert partial.announce and partial.metrics["sync_engines_ok"] == 1
     assert partial.metrics["sync_engines_quarantined"] == 1 and partial.metrics["sync_engines_rejoined"] == 1
-    assert engines.label(0) == "2" and engines.checksum(0) == truth(model)
+    assert engines.label(0) == "3" and engines.checksum(0) == truth(model)
     publisher.close()

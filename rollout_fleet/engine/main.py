@@ -1,4 +1,4 @@
-"""``streamrl engine`` / ``python -m rollout_fleet.engine``: serve a model over SGLang's HTTP protocol.
+"""``streamrl engine``: serve a model over SGLang's HTTP protocol.
 
 ``engine.kind = "builtin"``: the built-in engine, in this process. It runs until SIGTERM or SIGINT; then it
 stops taking requests, aborts and answers every in-flight one (``finish_reason.type == "abort"`` with the
@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import torch
 
 from broker.config import SharedConfig
-from broker.configlib import ConfigError, Section, role_main
+from broker.configlib import ConfigError
 from broker.cpus import pin_to_cpus
 from rollout_fleet.config import EngineConfig
 from rollout_fleet.engine.core import Engine
@@ -116,18 +116,3 @@ def run_engine(shared: SharedConfig, engine: EngineConfig, extensions: Iterable[
     finally:
         served.shutdown(engine.shutdown_timeout_s)
     return 0
-
-
-class _EngineRoleConfig(Section):
-    shared: SharedConfig = SharedConfig()
-    engine: EngineConfig = EngineConfig()
-
-
-def main(argv: list[str] | None = None) -> int:
-    return role_main(
-        "rollout_fleet.engine",
-        _EngineRoleConfig,
-        argv,
-        lambda cfg: run_engine(cfg.shared, cfg.engine),
-        log_format="%(asctime)s engine %(levelname)s %(name)s: %(message)s",
-    )

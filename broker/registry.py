@@ -1,8 +1,9 @@
 """The engine registry in Redis: which engines exist, where, how many weight-sync ranks each has, and whether
-they are healthy.
+they are healthy. Its one definition: the fleet writes it, routers and the learner's publisher and the dashboard
+read it, all through this module (the async :class:`EngineRegistry`, or :func:`read_registry` with a plain
+client).
 
-Layout (documented in docs/rollout.md, so that readers in other packages need not import this module): one hash
-``shared.key("engines")``, field = engine id, value = a JSON object
+Layout: one hash ``shared.key("engines")`` (:func:`registry_key`), field = engine id, value = a JSON object
 
     {"engine_id", "url", "ranks", "health", "weight_version", "last_seen", "updated", "kind", "pid", "source",
      "error"}
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit
 
+import redis
 import redis.asyncio as aioredis
 
 from broker.config import SharedConfig
@@ -90,7 +92,10 @@ class EngineInfo:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> EngineInfo:
+        """The entry; ValueError when it is not a JSON object with an engine_id and a url."""
         data = json.loads(raw)
+        if not isinstance(data, dict) or "engine_id" not in data or "url" not in data:
+            raise ValueError(f"not a registry entry: {str(data)[:200]}")
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -108,12 +113,31 @@ def _check_patch(patch: dict[str, Any]) -> None:
         raise RegistryError(f"unknown registry field(s) {unknown}; known: {sorted(known)}")
 
 
+REGISTRY_NAME = "engines"
+
+
+def registry_key(shared: SharedConfig, name: str = REGISTRY_NAME) -> str:
+    return shared.key(name)
+
+
+def read_registry(client: redis.Redis, shared: SharedConfig) -> list[EngineInfo]:
+    """Every registered engine, ordered by id, with a plain (synchronous) client; an entry that cannot be
+    parsed is skipped."""
+    out = []
+    for raw in client.hvals(registry_key(shared)):
+        try:
+            out.append(EngineInfo.from_json(raw))
+        except (ValueError, TypeError):
+            continue
+    return sorted(out, key=lambda e: e.engine_id)
+
+
 class EngineRegistry:
     """Read and write the run's engine registry."""
 
-    def __init__(self, client: aioredis.Redis, shared: SharedConfig, name: str = "engines") -> None:
+    def __init__(self, client: aioredis.Redis, shared: SharedConfig, name: str = REGISTRY_NAME) -> None:
         self.client = client
-        self.key = shared.key(name)
+        self.key = registry_key(shared, name)
         self._merge = client.register_script(_MERGE)
 
     async def _write(self, engine_id: str, patch: dict[str, Any], mode: str) -> EngineInfo | None:

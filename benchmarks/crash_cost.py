@@ -1,0 +1,259 @@
+"""What a crash costs: ``kill -9`` of each process of ``streamrl up`` mid-run, against a run with no kill.
+
+    python -m benchmarks.crash_cost --quick --out FILE     # the engine, learner rank 1, the Redis server
+    python -m benchmarks.crash_cost --out FILE             # every process, and the supervisor itself
+
+Each run trains the warm-started tiny model for :data:`STEPS` steps (eta 1, a checkpoint every 5 steps); the
+target is SIGKILLed at learner step :data:`KILL_AT` (two steps after a checkpoint). The supervisor restarts what
+died; when the supervisor itself is the target the run is resumed with ``up --resume``. Per target, from the
+run's records (``streamrl audit``, summary.json and the learner's metrics stream):
+
+- ``lost`` and ``trained_twice`` (must be 0), ``stale_groups`` and ``stale_fraction`` (groups dropped as stale
+  over groups generated), against the run with no kill;
+- ``extra_wall_seconds``: the run's wall time minus the no-kill run's;
+- ``stall_seconds``: the longest gap between two learner steps after the kill, minus the median gap;
+- ``steps_redone``: learner steps run more than once (a learner crash goes back to its checkpoint), and
+  ``entries_read_again``: stream entries a restarted learner read a second time (those it had taken before the
+  crash and not yet acknowledged).
+
+``tests/test_chaos.py`` runs the same targets with the same helpers and asserts on the same records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from benchmarks.common import write_result
+from broker.config import SharedConfig
+from broker.lifecycle import ProcessRecord, read_records
+from broker.metrics import metrics_key
+
+STEPS = 30
+KILL_AT = 12  # checkpoints at 5, 10, 15, ...: a learner killed here goes back to step 10
+GROUPS_PER_STEP = 16
+DEFAULT_TARGETS = ("engine-0", "learner-rank-1", "redis-server")
+ALL_TARGETS = (
+    *DEFAULT_TARGETS, "learner-rank-0", "learner", "rollout-0", "eval", "dashboard", "redis", "up",
+)  # fmt: skip
+# the role the supervisor restarts when a process inside it is killed
+RESTARTED_ROLE = {"learner-rank-0": "learner", "learner-rank-1": "learner", "redis-server": "redis"}
+
+
+def up_args(run_dir: Path, model: Path, metrics_base_port: int = 0, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "streamrl", "up", f"--shared.run_dir={run_dir}", f"--shared.model_path={model}",
+        f"--learner.max_steps={STEPS}", "--learner.checkpoint_every=5", "--learner.wandb_mode=disabled",
+        "--dashboard.port=0", f"--dashboard.metrics_base_port={metrics_base_port}", "--eval.heldout_prompts=50",
+        "--eval.every_versions=5", "--up.restart_delay_s=0.5", "--up.status_interval_s=5", *extra,
+    ]  # fmt: skip
+
+
+def resume_args(run_dir: Path, metrics_base_port: int = 0, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "streamrl", "up", "--resume", str(run_dir),
+        f"--dashboard.metrics_base_port={metrics_base_port}", *extra,
+    ]  # fmt: skip
+
+
+def start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def learner_step(run_dir: Path) -> int:
+    """The learner's latest step from the run's metrics stream (-1 before the first, or without Redis)."""
+    url_file = run_dir / "redis" / "url"
+    if not url_file.is_file():
+        return -1
+    try:
+        rows = redis.Redis.from_url(url_file.read_text().strip(), socket_timeout=2).xrevrange(
+            metrics_key(SharedConfig(), "learner"), count=1
+        )
+    except redis.RedisError:
+        return -1
+    return int(float(rows[0][1][b"step"])) if rows else -1
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while learner_step(run_dir) < step:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"streamrl up exited before step {step}:\n{proc.stdout.read() if proc.stdout else ''}"
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the learner never reached step {step}")
+        time.sleep(0.2)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        out += [int(p) for p in (task / "children").read_text().split()]
+    return out
+
+
+def target_pid(run_dir: Path, target: str) -> int:
+    """The pid of a process of the run: a role by its supervisor name (``up`` is the supervisor), a learner
+    rank (``learner-rank-N``), or the Redis server itself (``redis-server``)."""
+    records = {r.name: r for r in read_records(run_dir / "processes.json")}
+    if target.startswith("learner-rank-"):
+        rank = target.rsplit("-", 1)[1]
+        for pid in _children(records["learner"].pid):
+            if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+        raise LookupError(f"no learner rank {rank} under pid {records['learner'].pid}")
+    if target == "redis-server":
+        (server,) = read_records(run_dir / "redis" / "pid")
+        return server.pid
+    return records[target].pid
+
+
+def kill(run_dir: Path, target: str) -> ProcessRecord:
+    pid = target_pid(run_dir, target)
+    record = ProcessRecord.of(target, pid)
+    os.kill(pid, signal.SIGKILL)
+    return record
+
+
+def audit(run_dir: Path) -> dict[str, Any]:
+    """``streamrl audit RUN_DIR --json``."""
+    done = subprocess.run(
+        [sys.executable, "-m", "streamrl", "audit", str(run_dir), "--json"], capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    if done.returncode not in (0, 1):
+        raise RuntimeError(f"streamrl audit failed: {done.stderr}")
+    return json.loads(done.stdout)
+
+
+def run_records(run_dir: Path) -> tuple[list[tuple[float, int]], dict[str, float]]:
+    """(unix time, step) of every learner metrics point of a finished run, and the broker's counters (its Redis
+    is started for the read)."""
+    from broker.client import BrokerKeys
+    from broker.metrics import parse_number
+    from streamrl.audit import load_run_config, runs_redis
+
+    config = load_run_config(run_dir)
+
+    async def read(url: str) -> tuple[list[tuple[float, int]], dict[str, float]]:
+        client = redis.asyncio.Redis.from_url(url)
+        try:
+            rows = await client.xrange(metrics_key(config.shared, "learner"))
+            counters = await client.hgetall(BrokerKeys.of(config.shared, config.broker).counters)
+        finally:
+            await client.aclose()
+        points = [(int(i.split(b"-")[0]) / 1000, int(float(f[b"step"]))) for i, f in rows]
+        numbers = {k.decode(): parse_number(v) for k, v in counters.items()}
+        return points, {k: float(v) for k, v in numbers.items() if not isinstance(v, str)}
+
+    with runs_redis(config) as url:
+        return asyncio.run(read(url))
+
+
+def stale_fraction(report: dict[str, Any]) -> float:
+    return report["dropped_by_reason"].get("stale", 0) / max(1, report["generated"])
+
+
+def run_target(model: Path, run_dir: Path, target: str | None) -> dict[str, Any]:
+    """One run, killing ``target`` at step KILL_AT (None: no kill); the figures of the module docstring."""
+    proc = start(up_args(run_dir, model))
+    killed_at = None
+    out = ""
+    if target is not None:
+        wait_for_step(run_dir, KILL_AT, proc)
+        killed_at = time.time()
+        kill(run_dir, target)
+    if target == "up":
+        proc.communicate(timeout=120)
+        deadline = time.monotonic() + 180
+        while any(r.alive() for r in read_records(run_dir / "processes.json")):
+            if time.monotonic() > deadline:
+                raise TimeoutError("roles outlived their killed supervisor")
+            time.sleep(0.2)
+        proc = start(resume_args(run_dir))
+    out, _ = proc.communicate(timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{target}: streamrl up failed:\n{out[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    report = audit(run_dir)
+    points, counters = run_records(run_dir)
+    steps = [s for _, s in points]
+    after = [t for t, _ in points if killed_at is None or t >= killed_at - 1]
+    gaps = [b - a for a, b in zip(after, after[1:], strict=False)]
+    return {
+        "target": target or "none",
+        "wall_seconds": summary["wall_seconds"],
+        "steps": summary["steps"],
+        "lost": report["lost"],
+        "trained_twice": report["trained_twice"],
+        "trained": report["trained"],
+        "generated": report["generated"],
+        "stale_groups": report["dropped_by_reason"].get("stale", 0),
+        "stale_fraction": stale_fraction(report),
+        "steps_redone": len(steps) - len(set(steps)),
+        # entries a restarted learner read again (handed out before its crash, not yet acknowledged)
+        "entries_read_again": int(counters.get("recovered", 0)),
+        "max_step_gap_seconds": max(gaps, default=0.0),
+        "median_step_gap_seconds": statistics.median(gaps) if gaps else 0.0,
+        "eval_after_is_final_policy": summary["eval_after_is_final_policy"],
+        "restarts": out.count("restarting it"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.crash_cost", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(DEFAULT_TARGETS)}")
+    parser.add_argument("--out", type=Path, required=True, help="Result JSON.")
+    args = parser.parse_args(argv)
+    from rollout_fleet.warmstart import init_warm_model
+
+    model = init_warm_model()
+    targets = DEFAULT_TARGETS if args.quick else ALL_TARGETS
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="crash-cost-") as tmp:
+        for target in (None, *targets):
+            name = target or "none"
+            results[name] = run_target(model, Path(tmp) / name, target)
+            print(json.dumps(results[name]), flush=True)
+    base = results["none"]
+    for name, r in results.items():
+        r["extra_wall_seconds"] = r["wall_seconds"] - base["wall_seconds"]
+        r["extra_stale_groups"] = r["stale_groups"] - base["stale_groups"]
+        r["stall_seconds"] = (
+            r["max_step_gap_seconds"] - base["median_step_gap_seconds"] if name != "none" else 0.0
+        )
+    headline = {
+        "lost": sum(r["lost"] for r in results.values()),
+        "trained_twice": sum(r["trained_twice"] for r in results.values()),
+        "max_extra_stale_fraction": max(
+            r["stale_fraction"] - base["stale_fraction"] for r in results.values()
+        ),
+    }
+    targets_ = {"lost": ("<=", 0), "trained_twice": ("<=", 0), "max_extra_stale_fraction": ("<=", 0.05)}
+    doc = write_result(
+        args.out, "crash_cost", "quick" if args.quick else "full",
+        {"steps": STEPS, "kill_at": KILL_AT, "targets": list(targets)}, {"runs": results}, targets_, headline,
+    )  # fmt: skip
+    print(json.dumps({k: doc[k] for k in (*headline, "passed")}, indent=2))
+    return 0 if doc["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

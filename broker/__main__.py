@@ -1,5 +1,0 @@
-import sys
-
-from broker.main import main
-
-sys.exit(main())

@@ -1,5 +1,0 @@
-import sys
-
-from learner.main import main
-
-sys.exit(main())

@@ -1,0 +1,157 @@
+"""The chaos suite: ``kill -9`` of each process of ``streamrl up`` in the middle of a run, then the records say
+what it cost.
+
+Each run trains the warm-started tiny model for ``STEPS`` steps (eta 1, a checkpoint every 5 steps) and is
+killed at learner step ``KILL_AT`` (between two checkpoints, so a learner crash rolls back). The supervisor
+restarts what died; a run that stopped (its supervisor was the one killed) is resumed with ``up --resume``. Then,
+from the run's records (``streamrl audit`` over the durable per-group outcomes, and summary.json):
+
+- every generated group is trained, dropped with a reason, dead-lettered or still waiting in the stream: 0 lost;
+- no group is trained twice;
+- the last step is reached and the final evaluation is of the final policy;
+- the share of generated groups dropped as stale stays within ``STALE_MARGIN`` of a run with no kill.
+
+The engine, learner rank 1 and the Redis server are in the default run; the other processes are ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from benchmarks.crash_cost import (
+    KILL_AT,
+    RESTARTED_ROLE,
+    STEPS,
+    audit,
+    kill,
+    resume_args,
+    stale_fraction,
+    start,
+    target_pid,
+    up_args,
+    wait_for_step,
+)
+from broker.lifecycle import read_records
+from tests.test_up import metrics_base_port
+
+pytestmark = pytest.mark.timeout(900)
+STALE_MARGIN = 0.05  # the issue's bound: within 5 points of a run with no kill
+
+
+@pytest.fixture(scope="module")
+def warm_model() -> Path:
+    from rollout_fleet.warmstart import init_warm_model
+
+    return init_warm_model()
+
+
+def check_run(run_dir: Path, out: str) -> tuple[dict, dict]:
+    """The records of a finished run: nothing lost, nothing trained twice, the last step, a final evaluation of the
+    final policy. Returns (summary, audit)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    report = audit(run_dir)
+    assert report["lost"] == 0, (report, out[-3000:])
+    assert report["trained_twice"] == 0 and report["conflicting"] == 0, report
+    assert report["ok"]
+    assert summary["steps"] == STEPS, out[-3000:]
+    assert report["trained"] == STEPS * 16  # every step trained one batch, counted once however often it ran
+    assert summary["eval_after_is_final_policy"] is True, summary
+    assert summary["eval_version_after"] == summary["final_policy_version"] >= STEPS
+    assert summary["audit"]["lost"] == 0  # the same figures, in summary.json
+    return summary, report
+
+
+@pytest.fixture(scope="module")
+def baseline(warm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A run with no kill: the stale-drop share a kill is compared with."""
+    run_dir = tmp_path_factory.mktemp("chaos-baseline") / "run"
+    proc = start(up_args(run_dir, warm_model, metrics_base_port()))
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-3000:]
+    _, report = check_run(run_dir, out)
+    return report
+
+
+def run_with_kill(warm_model: Path, run_dir: Path, target: str) -> tuple[str, dict, dict]:
+    proc = start(up_args(run_dir, warm_model, metrics_base_port()))
+    wait_for_step(run_dir, KILL_AT, proc)
+    killed = kill(run_dir, target)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-3000:]
+    assert not killed.alive()
+    summary, report = check_run(run_dir, out)
+    return out, summary, report
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "engine-0",
+        "learner-rank-1",
+        "redis-server",
+        pytest.param("learner-rank-0", marks=pytest.mark.slow),
+        pytest.param("learner", marks=pytest.mark.slow),  # the launcher of the ranks
+        pytest.param("rollout-0", marks=pytest.mark.slow),
+        pytest.param("eval", marks=pytest.mark.slow),
+        pytest.param("dashboard", marks=pytest.mark.slow),
+        pytest.param("redis", marks=pytest.mark.slow),  # `streamrl redis`, which runs the server
+    ],
+)
+def test_kill_9_mid_run_loses_nothing(target: str, warm_model: Path, baseline: dict, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    out, summary, report = run_with_kill(warm_model, run_dir, target)
+    restarted = RESTARTED_ROLE.get(target, target)
+    assert f"{restarted} (pid" in out and "restarting it" in out, out[-3000:]
+    fraction, base = stale_fraction(report), stale_fraction(baseline)
+    assert fraction <= base + STALE_MARGIN, (target, report, baseline)
+    print(
+        f"{target}: stale {fraction:.3f} (no kill {base:.3f}), audit {report}, wall {summary['wall_seconds']:.0f} s"
+    )
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_supervisor_then_resume(warm_model: Path, baseline: dict, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = start(up_args(run_dir, warm_model, metrics_base_port()))
+    wait_for_step(run_dir, KILL_AT, proc)
+    roles = [r for r in read_records(run_dir / "processes.json") if r.name != "up"]
+    kill(run_dir, "up")
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 120
+    while any(r.alive() for r in roles):  # every role notices its supervisor died and drains by itself
+        assert time.monotonic() < deadline, [r for r in roles if r.alive()]
+        time.sleep(0.2)
+    (server,) = read_records(run_dir / "redis" / "pid")
+    assert not server.alive()
+    resumed = start(resume_args(run_dir, metrics_base_port()))
+    out, _ = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, out[-3000:]
+    _, report = check_run(run_dir, out)
+    assert stale_fraction(report) <= stale_fraction(baseline) + STALE_MARGIN, (report, baseline)
+
+
+@pytest.mark.slow
+def test_resume_stops_a_leftover_that_holds_the_port(warm_model: Path, tmp_path: Path) -> None:
+    """A role of the stopped run that is still alive (here: `streamrl redis`, SIGSTOPped so it cannot react to
+    its supervisor's death) holds the run's port; the resume stops it and carries on."""
+    run_dir = tmp_path / "run"
+    proc = start(up_args(run_dir, warm_model, metrics_base_port()))
+    wait_for_step(run_dir, 3, proc)
+    wrapper = target_pid(run_dir, "redis")
+    url = (run_dir / "redis" / "url").read_text().strip()
+    os.kill(wrapper, signal.SIGSTOP)
+    kill(run_dir, "up")
+    proc.communicate(timeout=60)
+    assert redis.Redis.from_url(url).ping()  # the old server still answers on the run's port
+    resumed = start(resume_args(run_dir, metrics_base_port(), "--up.grace_s=10"))
+    out, _ = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, out[-3000:]
+    assert "a process of an earlier run is still alive: redis" in out
+    check_run(run_dir, out)
