@@ -3,11 +3,11 @@
 Every learner rank calls ``publish`` (all of them take part in the FSDP2 gathers); only rank 0 holds a
 ``WeightSender`` and talks to engines. ``publish`` returns a :class:`Publication`: the trainer announces the
 version in Redis only when it says so, i.e. when every engine in the pool confirmed the update and at least one
-did (or no engine is known at all: nobody to wait for). Engines that failed were quarantined and left the pool; before every sync the sender probes the engines,
-and a quarantined one that answers again, or a member that restarted (its ``weight_version`` is not the one it was
-given), rejoins the group and gets the current weights in that same sync. While the learner waits for data it
-asks :meth:`WeightSyncPublisher.wants_resync` now and then, so an engine that comes back while no step runs
-still gets the policy.
+did (or no engine is known at all: nobody to wait for). Engines that failed were quarantined and left the pool;
+before every sync the sender probes the engines, and a quarantined one that answers again, or a member that
+restarted (its ``weight_version`` is not the one it was given), rejoins the group and gets the current weights
+in that same sync. While the learner waits for data it asks :meth:`WeightSyncPublisher.wants_resync` now and
+then, so an engine that comes back while no step runs still gets the policy.
 """
 
 from __future__ import annotations

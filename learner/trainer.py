@@ -170,7 +170,9 @@ class Learner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wandb: Any = None
         self._announced: int | None = None  # the last version announced in Redis by this process
+        self._unannounced = False  # the last sync did not reach the pool: sync again while idle
         self._last_resync_check = 0.0
+        self._last_publish_metrics: dict[str, float] = {}  # the latest sync's, logged with the next step
         self.model, self.optimizer, self.scheduler = self._build_model()
 
     # ----- setup -------------------------------------------------------------------------------------------
@@ -322,8 +324,6 @@ class Learner:
         if self.info.is_main:
             self._start_redis_side()
             self._init_wandb()
-        self._last_publish_metrics: dict[str, float] = {}
-        self._unannounced = False
         self._resume()
         while True:
             payload = self._next_payload()

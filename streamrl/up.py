@@ -96,63 +96,41 @@ def prepare(config: StreamRLConfig) -> StreamRLConfig:
 
 
 def child_specs(cfg: StreamRLConfig, config_path: Path) -> tuple[list[ChildSpec], list[ChildSpec]]:
-    """(children started before the baseline evaluation, children started after it)."""
+    """(children started before the baseline evaluation, children started after it). Each is restarted when
+    it dies, within its budget ``up.<role>_restarts``."""
     up = cfg.up
+
+    def role(name: str, command: str, budget: int, *args: str, **spec: Any) -> ChildSpec:
+        spec.setdefault("restart", "on-failure")
+        return ChildSpec(name, _argv(command, config_path, *args), max_restarts=budget, **spec)
+
     before: list[ChildSpec] = []
     if not cfg.shared.redis_url:
-        before.append(
-            ChildSpec(
-                "redis",
-                _argv("redis", config_path),
-                ready=lambda: _redis_ready(cfg),
-                restart="on-failure",
-                max_restarts=up.redis_restarts,
-            )
-        )
+        before.append(role("redis", "redis", up.redis_restarts, ready=lambda: _redis_ready(cfg)))
     for i, url in enumerate(cfg.rollout.engine_urls):
-        port = url.rsplit(":", 1)[1]
-        before.append(
-            ChildSpec(
-                f"engine-{i}",
-                _argv(
-                    "engine",
-                    config_path,
-                    f"--engine.port={port}",
-                    f"--engine.seed={json.dumps(cfg.engine.seed_of(i))}",
-                ),
-                ready=lambda u=url: _http_ok(f"{u}/model_info"),
-                restart="always",  # an engine exits only when told to (or when it dies)
-                max_restarts=up.engine_restarts,
-            )
-        )
+        port, seed = url.rsplit(":", 1)[1], json.dumps(cfg.engine.seed_of(i))
+        engine = role(
+            f"engine-{i}", "engine", up.engine_restarts, f"--engine.port={port}", f"--engine.seed={seed}",
+            ready=lambda u=url: _http_ok(f"{u}/model_info"),
+            restart="always",  # an engine exits only when told to (or when it dies)
+        )  # fmt: skip
+        before.append(engine)
     # Rollouts start once the learner has published its weights: the clock of a run (its first rollout
-    # request) then leaves out the learner's start-up, as a trainer's clock leaves out model loading.
-    learner = ChildSpec(
-        "learner",
-        _argv("learner", config_path),
+    # request) then leaves out the learner's start-up, as a trainer's clock leaves out model loading. A learner
+    # that dies is restarted: it resumes from its last durable checkpoint.
+    learner = role(
+        "learner", "learner", up.learner_restarts,
         finishes_run=cfg.learner.max_steps > 0,
         ready=lambda: _version_published(cfg),
         ready_timeout_s=cfg.weight_sync.wait_for_engines_s + cfg.weight_sync.timeout_s,
-        restart="on-failure",  # it resumes from its last durable checkpoint
-        max_restarts=up.learner_restarts,
-    )
+    )  # fmt: skip
     after = [learner]
     for w in range(cfg.rollout.workers):
-        argv = _argv("rollout", config_path, f"--rollout.worker_id=worker-{w}")
-        after.append(ChildSpec(f"rollout-{w}", argv, restart="on-failure", max_restarts=up.rollout_restarts))
+        after.append(role(f"rollout-{w}", "rollout", up.rollout_restarts, f"--rollout.worker_id=worker-{w}"))
     if cfg.eval.every_versions > 0:
-        argv = _argv("eval", config_path)
-        after.append(ChildSpec("eval", argv, restart="on-failure", max_restarts=up.eval_restarts))
+        after.append(role("eval", "eval", up.eval_restarts))
     dash = f"http://{cfg.dashboard.host}:{cfg.dashboard.port}/"
-    after.append(
-        ChildSpec(
-            "dashboard",
-            _argv("dashboard", config_path),
-            ready=lambda: _http_ok(dash),
-            restart="on-failure",
-            max_restarts=up.dashboard_restarts,
-        )
-    )
+    after.append(role("dashboard", "dashboard", up.dashboard_restarts, ready=lambda: _http_ok(dash)))
     return before, after
 
 
@@ -283,6 +261,15 @@ def _run_up(config: StreamRLConfig) -> int:
     return code
 
 
+def is_of_version(result: dict[str, float]) -> bool | None:
+    """Whether an evaluation measured exactly the version it was asked for (every answer came from it); None
+    when there was no evaluation."""
+    if not result:
+        return None
+    asked = result.get("version_asked")
+    return result.get("policy_version") == asked and result.get("policy_version_max") == asked
+
+
 def write_summary(
     cfg: StreamRLConfig, summary: dict[str, Any], started: float, totals: dict[str, Any]
 ) -> None:
@@ -296,10 +283,7 @@ def write_summary(
         "eval_version_after": after.get("policy_version"),
         # the final policy's version, and whether eval_*_after measured it (false: a warning was printed)
         "final_policy_version": after.get("version_asked"),
-        "eval_after_is_final_policy": None
-        if not after
-        else after.get("is_version_asked") == 1.0
-        and after.get("policy_version_max") == after.get("policy_version"),
+        "eval_after_is_final_policy": is_of_version(after),
         **totals,
         "wall_seconds": time.time() - started,
         "training_wall_seconds": summary.get("training_wall_seconds"),

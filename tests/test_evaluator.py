@@ -4,6 +4,7 @@ evaluated (``streamrl up``'s baseline) and evaluates each version that advanced 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,30 @@ async def test_only_engines_serving_the_version_are_evaluated(model_dir: Path) -
             await evaluate_through_engines(
                 [stale.url, current.url], task, tokenizer, EVAL, (), 30.0, min_version=4
             )
+
+
+def test_a_final_evaluation_of_another_version_is_flagged_in_the_summary(
+    model_dir: Path, redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`streamrl up`'s final evaluation asks for the final policy; when no engine serves it (here: the engine is
+    at 3, the run at 5) it evaluates what is served, warns, and summary.json says it is not the final policy."""
+    from streamrl.up import evaluate_now, format_summary, is_of_version, write_summary
+
+    with serving(model_dir) as engine:
+        engine.engine.set_weight_version("3")
+        cfg = StreamRLConfig.model_validate(
+            {
+                "shared": {"redis_url": redis_url, "run_dir": str(tmp_path), "model_path": str(model_dir)},
+                "rollout": {"engine_urls": [engine.url], "task": {"name": "arithmetic", "train_size": 8}},
+                "eval": {"heldout_prompts": 4, "max_new_tokens": 8},
+            }
+        )
+        current = evaluate_now(cfg, "after", 3)
+        stale = evaluate_now(cfg, "after", 5)
+    assert is_of_version(current) is True and current["policy_version"] == 3
+    assert is_of_version(stale) is False and stale["version_asked"] == 5 and stale["policy_version"] == 3
+    assert "should be of policy version 5" in capsys.readouterr().err
+    write_summary(cfg, {"eval_before": current, "eval_after": stale}, 0.0, {})
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["eval_after_is_final_policy"] is False and summary["final_policy_version"] == 5
+    assert "NOT the final policy 5" in format_summary(summary)

@@ -61,3 +61,45 @@ async def test_a_worker_through_a_launched_sglang_server(redis_url: str, tmp_pat
         for s in g.samples:
             assert s.num_tokens() >= 1 and (s.versions == 0).all() and s.reward_status == "ok"
             assert s.logprobs.max() <= 1e-3
+
+
+def test_streamrl_engine_of_kind_sglang_serves_and_stops(tmp_path: Path) -> None:
+    """`streamrl engine --engine.kind=sglang` (what `streamrl up` starts for each engine) becomes a real SGLang
+    server: it answers /model_info with SGLang's initial label, and exits on SIGTERM."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    model_dir = init_tiny_model(tmp_path / "tiny")
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "streamrl",
+            "engine",
+            "--engine.kind=sglang",
+            f"--shared.model_path={model_dir}",
+            f"--shared.run_dir={tmp_path / 'run'}",
+            f"--engine.port={port}",
+            "--engine.mem_fraction_static=0.2",
+            '--engine.extra_args=["--disable-cuda-graph"]',
+        ],  # fmt: skip
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/model_info", timeout=5) as resp:
+                    info = json.loads(resp.read())
+                break
+            except OSError:
+                time.sleep(1)
+        assert info["weight_version"] == "default"  # read as policy version 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
