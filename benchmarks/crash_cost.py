@@ -10,7 +10,8 @@ run's records (``streamrl audit``, summary.json and the learner's metrics stream
 
 - ``lost`` and ``trained_twice`` (must be 0), ``stale_groups`` and ``stale_fraction`` (groups dropped as stale
   over groups generated), against the run with no kill;
-- ``extra_wall_seconds``: the run's wall time minus the no-kill run's;
+- ``extra_wall_seconds``: the run's wall time (from the first start to the end, a resume included) minus the
+  no-kill run's; ``restarts``: roles the supervisor restarted;
 - ``stall_seconds``: the longest gap between two learner steps after the kill, minus the median gap;
 - ``steps_redone``: learner steps run more than once (a learner crash goes back to its checkpoint), and
   ``entries_read_again``: stream entries a restarted learner read a second time (those it had taken before the
@@ -171,6 +172,7 @@ def stale_fraction(report: dict[str, Any]) -> float:
 
 def run_target(model: Path, run_dir: Path, target: str | None) -> dict[str, Any]:
     """One run, killing ``target`` at step KILL_AT (None: no kill); the figures of the module docstring."""
+    began = time.monotonic()
     proc = start(up_args(run_dir, model))
     killed_at = None
     out = ""
@@ -187,6 +189,7 @@ def run_target(model: Path, run_dir: Path, target: str | None) -> dict[str, Any]
             time.sleep(0.2)
         proc = start(resume_args(run_dir))
     out, _ = proc.communicate(timeout=1800)
+    wall = time.monotonic() - began  # start to end, the resume of a killed supervisor included
     if proc.returncode != 0:
         raise RuntimeError(f"{target}: streamrl up failed:\n{out[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -197,7 +200,7 @@ def run_target(model: Path, run_dir: Path, target: str | None) -> dict[str, Any]
     gaps = [b - a for a, b in zip(after, after[1:], strict=False)]
     return {
         "target": target or "none",
-        "wall_seconds": summary["wall_seconds"],
+        "wall_seconds": wall,
         "steps": summary["steps"],
         "lost": report["lost"],
         "trained_twice": report["trained_twice"],
@@ -211,7 +214,10 @@ def run_target(model: Path, run_dir: Path, target: str | None) -> dict[str, Any]
         "max_step_gap_seconds": max(gaps, default=0.0),
         "median_step_gap_seconds": statistics.median(gaps) if gaps else 0.0,
         "eval_after_is_final_policy": summary["eval_after_is_final_policy"],
-        "restarts": out.count("restarting it"),
+        # the supervisor's own lines (its log repeats each one)
+        "restarts": sum(
+            1 for line in out.splitlines() if line.startswith("streamrl up:") and "restarting it" in line
+        ),
     }
 
 
