@@ -109,6 +109,7 @@ class StatusReader:
         return {
             **self.learner_aggregates(),
             "audit": self.audit(),
+            **self.best_evaluation(),
             "first_request_at": float(first) if first else None,
             "steps": int(learner.get("step", 0)),
             "policy_version": int(learner.get("policy_version", 0)),
@@ -135,6 +136,21 @@ class StatusReader:
             return asyncio.run(run())
         except (redis.RedisError, OSError):
             return None
+
+    def best_evaluation(self) -> dict[str, float | None]:
+        """The run's best held-out greedy accuracy among its evaluations of trained policies (version > 0: the
+        live evaluator's and the final one), and the version it was of. A run that learned and then fell shows it
+        here beside ``eval_reward_after``."""
+        try:
+            rows = self.client.xrange(metrics_key(self.config.shared, "eval")) if self.client else []
+        except (redis.RedisError, OSError):
+            rows = []
+        points = [p for p in (_numbers(f) for _, f in rows) if p.get("policy_version", 0) > 0]
+        points = [p for p in points if "greedy_accuracy" in p]
+        if not points:
+            return {"eval_best_greedy": None, "eval_best_version": None}
+        best = max(points, key=lambda p: p["greedy_accuracy"])
+        return {"eval_best_greedy": best["greedy_accuracy"], "eval_best_version": best["policy_version"]}
 
     def learner_aggregates(self) -> dict[str, float]:
         """Sums over every learner step of the run: time waiting for data (generation, when synchronous), time
