@@ -4,8 +4,8 @@ sequence to the longest of the batch, and with shared prompt rows against one ro
 Same model (the tiny Qwen2, fp32, CPU, 1 torch thread), same sequences, same loss (decoupled PPO, token-mean),
 same micro-batch token budget, one process:
 
-* ``packing``: what the learner does: ``plan_step`` (longest first, micro-batches of padded size
-  rows x longest <= budget) then ``rank_micro_batches``.
+* ``packing``: what the learner does: ``plan_step`` (varlen: longest first into micro-batches of at most
+  ``budget`` real tokens, each one unpadded row) then ``rank_micro_batches``.
 * ``padding``: every sequence right-padded to the longest sequence of the batch, ``budget // longest`` rows per
   micro-batch (at least one), in the same order.
 
@@ -39,10 +39,11 @@ from typing import Any
 import torch
 
 from benchmarks.common import format_table, write_result
-from learner.attention import register_shared_prompt_attention
+from learner.attention import register_packed_attention
 from learner.config import LearnerConfig
 from learner.packing import (
     MicroBatch,
+    PackedRows,
     TrainSequence,
     collate,
     plan_rows,
@@ -110,23 +111,34 @@ def long_tailed_batch(n: int, long_fraction: float, vocab: int, seed: int = 0) -
 
 
 def pad_to(mb: MicroBatch, width: int, pad_id: int = 0) -> MicroBatch:
-    """Right-pad every ``[b, L]`` tensor of ``mb`` to ``[b, width]`` (padding is unattended and unmasked)."""
-    extra = width - mb.input_ids.shape[1]
-    if extra <= 0:
-        return mb
+    """Right-pad every ``[b, L]`` tensor of ``mb`` to ``[b, width]`` and run it as ``b`` rows of ``width``: the
+    token-wise layers and the attention (one bucket, every row padded to ``width``) both pay for the padding,
+    which is unattended (it comes after every real token) and unmasked."""
+    b, extra = mb.input_ids.shape[0], width - mb.input_ids.shape[1]
 
     def pad(t: torch.Tensor, value: float) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (0, extra), value=value)
+        return torch.nn.functional.pad(t, (0, max(0, extra)), value=value)
 
+    flat = torch.arange(b * width).reshape(b, width)
+    rows = PackedRows(
+        input_ids=pad(mb.input_ids, pad_id),
+        position_ids=torch.arange(width).expand(b, width).clone(),
+        source=flat,
+        target=flat.flatten(),
+        order=torch.arange(b),
+        buckets=[(0, b, width)],
+        real_tokens=int(mb.attention_mask.sum()),
+    )
     return MicroBatch(
         input_ids=pad(mb.input_ids, pad_id),
         attention_mask=pad(mb.attention_mask, 0),
-        position_ids=torch.arange(width).expand(mb.input_ids.shape[0], width).clone(),
+        position_ids=torch.arange(width).expand(b, width).clone(),
         logp_behaviour=pad(mb.logp_behaviour, 0.0),
         versions=pad(mb.versions, -1),
         loss_mask=pad(mb.loss_mask, 0.0),
         advantages=pad(mb.advantages, 0.0),
         seq_index=mb.seq_index,
+        packed=rows,
     )
 
 
@@ -202,7 +214,7 @@ def run(mode: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     torch.set_num_threads(1)
     p = MODES[mode]
     model = AutoModelForCausalLM.from_pretrained(
-        init_tiny_model(), dtype=torch.float32, attn_implementation=register_shared_prompt_attention()
+        init_tiny_model(), dtype=torch.float32, attn_implementation=register_packed_attention()
     )
     vocab = model.config.vocab_size
     seqs = long_tailed_batch(p["sequences"], p["long_fraction"], vocab)

@@ -10,6 +10,7 @@ from broker.configlib import Section
 
 PolicyLossName = Literal["ppo", "decoupled_ppo", "tis", "icepop", "gspo"]
 Aggregation = Literal["token-mean", "seq-mean", "seq-mean-token-sum"]
+MixedPrecision = Literal["auto", "off", "bf16"]
 
 
 class LossConfig(Section):
@@ -92,7 +93,20 @@ class LearnerConfig(Section):
         60.0, gt=0, description="Upper bound on the wall time between checkpoints, seconds."
     )
     micro_batch_tokens: int = Field(
-        8192, ge=1, description="Token budget of a micro-batch, counted padded (rows x longest row)."
+        8192,
+        ge=1,
+        description="Token budget of a micro-batch: real tokens with varlen packing, rows x longest row without.",
+    )
+    varlen: bool = Field(
+        True,
+        description="Pack each micro-batch's sequences into one row without padding (position ids restart per "
+        "sequence, attention never crosses one); false: one right-padded row per sequence or shared prompt.",
+    )
+    loss_chunk_tokens: int = Field(
+        1024,
+        ge=1,
+        description="Tokens per chunk of the loss's lm-head, log-softmax and entropy (recomputed in backward): "
+        "the loss holds one [chunk, vocab] block of logits, never [tokens, vocab].",
     )
     share_prompts: bool = Field(
         True,
@@ -129,7 +143,22 @@ class LearnerConfig(Section):
     export_hf: bool = Field(
         True, description="Write a Hugging Face export of the policy at every checkpoint."
     )
-    activation_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer in backward (torch's non-reentrant checkpoint per layer, "
+        "under FSDP2): only each layer's input is kept, for about one more forward per step.",
+    )
+    mixed_precision: MixedPrecision = Field(
+        "auto",
+        description="FSDP2 compute dtype: bf16 (bf16 forward/backward, fp32 master weights, optimizer state, "
+        "gradient reduction and log-probs), off (fp32), or auto (bf16 on a GPU that supports it, else off).",
+    )
+    max_seq_len: int | None = Field(
+        None,
+        ge=2,
+        description="Longest sample (prompt + output tokens) the learner trains; a group with a longer one is "
+        "dropped as too_long. None: the model's max_position_embeddings (a larger value is refused).",
+    )
     consumer_name: str = Field(
         "learner-0", description="Stable consumer name; a restart gets its entries back."
     )

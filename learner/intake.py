@@ -1,14 +1,15 @@
 """Rank 0's intake: read prompt groups from the stream, filter them, and assemble one step's batch.
 
 Every delivery ends in exactly one ledger line: ``trained`` when it goes into the step, or
-``dropped:<reason>`` (stale, reward error, zero signal, duplicate), written to the durable dropped stream and
-handing its admission capacity back. The ledger lines of a checkpoint window are acknowledged only after the
-checkpoint that contains them is durable (``learner.checkpoint``).
+``dropped:<reason>`` (stale, reward error, zero signal, too long, duplicate), written to the durable dropped
+stream and handing its admission capacity back. The ledger lines of a checkpoint window are acknowledged only
+after the checkpoint that contains them is durable (``learner.checkpoint``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,12 +17,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from broker.configlib import ConfigError
 from broker.consumer import Consumer, Delivery
 from broker.record import TrajectoryGroup
 from broker.staleness import CounterError, Lineage, StalenessManager, check_staleness
 from learner.advantages import compute_advantages, zero_signal_groups
 from learner.checkpoint import ALREADY_CONTAINED, LedgerEntry
 from learner.config import LearnerConfig
+
+log = logging.getLogger("streamrl.learner")
+
+TOO_LONG = "too_long"  # a sample longer than the learner's maximum sequence length (bad input, never trained)
 
 
 class NotReady(Exception):
@@ -42,14 +48,35 @@ class StepBatch:
         return [d.group for d in self.deliveries]
 
 
+def sequence_limit(max_seq_len: int | None, model_context: int | None) -> int | None:
+    """The longest sample (prompt + output tokens) the learner trains: ``learner.max_seq_len``, else the model's
+    context (``max_position_embeddings``); None when neither is known. Past the context the model has no trained
+    positions, so a larger ``max_seq_len`` is refused."""
+    if max_seq_len is not None and model_context is not None and max_seq_len > model_context:
+        raise ConfigError(
+            f"learner.max_seq_len = {max_seq_len} exceeds the model's max_position_embeddings = {model_context}"
+        )
+    return max_seq_len if max_seq_len is not None else model_context
+
+
+def longest_sample(group: TrajectoryGroup) -> tuple[int, int]:
+    """(sample index, prompt + output tokens) of the group's longest sample."""
+    lengths = [(len(group.prompt_ids) + len(s.output_ids), s.sample_index) for s in group.samples]
+    length, index = max(lengths)
+    return index, length
+
+
 def drop_reason(
     group: TrajectoryGroup,
     learner_version: int,
     eta: int,
     drop_zero_signal: bool,
     lineage: Lineage | None = None,
+    max_seq_len: int | None = None,
 ) -> str | None:
     """Why a group must not be trained on at ``learner_version``, or None to keep it."""
+    if max_seq_len is not None and longest_sample(group)[1] > max_seq_len:
+        return TOO_LONG  # bad input whatever its rewards and versions: first
     statuses = {s.reward_status for s in group.samples}
     if "timeout" in statuses:
         return "reward_timeout"
@@ -76,8 +103,10 @@ class Intake:
         config: LearnerConfig,
         eta: int,
         should_stop: Callable[[], bool],
+        max_seq_len: int | None = None,
     ) -> None:
         self.consumer = consumer
+        self.max_seq_len = max_seq_len  # sequence_limit(): longer samples drop their group as too_long
         self.admission = admission
         self.config = config
         self.eta = eta
@@ -150,13 +179,19 @@ class Intake:
             self._carry.append(delivery)
             return
         reason = drop_reason(
-            group, batch.learner_version, self.eta, self.config.advantage.drop_zero_signal, self.lineage
+            group,
+            batch.learner_version,
+            self.eta,
+            self.config.advantage.drop_zero_signal,
+            self.lineage,
+            self.max_seq_len,
         )
         if reason is None:
             batch.deliveries.append(delivery)
             self._record(delivery, "trained")
             return
-        await self.consumer.drop(delivery, reason)
+        detail = self._refuse_too_long(group) if reason == TOO_LONG else ""
+        await self.consumer.drop(delivery, reason, detail)
         try:
             await self.admission.on_drop(1)
         except CounterError:
@@ -164,6 +199,16 @@ class Intake:
             self.totals["drop_without_admission"] = self.totals.get("drop_without_admission", 0) + 1
         batch.dropped[reason] = batch.dropped.get(reason, 0) + 1
         self._record(delivery, f"dropped:{reason}")
+
+    def _refuse_too_long(self, group: TrajectoryGroup) -> str:
+        """Log the refusal of a group with a sample past ``max_seq_len``; returns the drop record's detail."""
+        index, length = longest_sample(group)
+        detail = (
+            f"sample {index}: {length} tokens (prompt {len(group.prompt_ids)} + output "
+            f"{length - len(group.prompt_ids)}) > the learner's max_seq_len {self.max_seq_len}"
+        )
+        log.error("group %s refused, dropped as %s: %s", group.group_id, TOO_LONG, detail)
+        return detail
 
     def _record(self, delivery: Delivery, outcome: str) -> None:
         self.ledger.append(

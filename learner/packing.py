@@ -5,25 +5,28 @@ of them to the longest wastes most of the compute, so:
 
 1. :func:`balance_ranks` splits the sequences across W ranks by real tokens (longest first, each to the
    least-loaded rank), so the ranks' token totals differ by at most the longest sequence.
-2. :func:`plan_micro_batches` packs each rank's share into micro-batches whose PADDED size
-   (rows x longest row) fits ``token_budget``: sequences sorted longest first fill a micro-batch until the
-   next would overflow, so each micro-batch holds similar lengths and pads little. A sequence longer than
-   the budget gets a micro-batch of its own (it cannot be split without changing the loss); that micro-batch
-   exceeds the budget and is the only kind that may.
+2. :func:`plan_micro_batches` packs each rank's share into micro-batches of at most ``token_budget`` tokens.
+   With varlen packing (the default) the budget counts real tokens: a micro-batch's sequences are
+   concatenated into one row without padding (first-fit decreasing fills each micro-batch). Without it the
+   budget counts padded tokens (rows x longest row) and lengths within a micro-batch are neighbours in sorted
+   order. A sequence longer than the budget gets a micro-batch of its own (it cannot be split without
+   changing the loss); that micro-batch exceeds the budget and is the only kind that may.
 3. :func:`plan_step` pads every rank with empty micro-batches up to the largest count (at least one): FSDP's
    collectives run once per forward/backward, so a rank with fewer micro-batches would leave the others hanging.
 4. :func:`step_inputs` does all of it for a step, optionally leaving out the sequences that carry no gradient
    (:func:`carries_gradient`: zero advantage on every loss token) while the loss normaliser still counts them.
 
-Layout of a :class:`MicroBatch` (``b`` rows, right-padded to the longest row ``L``): every tensor is
-``[b, L]`` and position ``t`` describes token ``input_ids[:, t]``. The log-prob of token ``t`` is predicted
-from the logits at position ``t - 1``; :func:`gather_logprobs` returns it at position ``t`` (position 0 gets
-0: nothing predicts the first token), so ``logp_new``, ``logp_behaviour``, ``advantages`` and ``loss_mask``
-line up index for index and go straight into :mod:`learner.losses`. Prompt tokens and padding have
-``loss_mask`` 0. With shared prompts (:func:`share_prompts`, :func:`plan_rows`) the plan is made over rows that
-hold a prompt once and the outputs of every sample that shares it; such a micro-batch keeps this per-sample
-layout for the loss and adds the row layout (:class:`SharedRows`) the forward runs on. An empty micro-batch is one dummy row of one attended pad token with ``loss_mask`` 0: the
-forward and backward run (and join the collectives) and contribute exactly zero loss and gradient.
+A :class:`MicroBatch` has two layouts. The LOSS layout is per sample: ``b`` rows, right-padded to the longest
+sample ``L``; every loss tensor is ``[b, L]`` and position ``t`` describes token ``input_ids[:, t]``. The
+log-prob of token ``t`` is predicted from the hidden state at position ``t - 1`` and is stored at position
+``t`` (position 0 gets 0: nothing predicts the first token), so ``logp_new``, ``logp_behaviour``,
+``advantages`` and ``loss_mask`` line up index for index and go straight into :mod:`learner.losses`. Prompt
+tokens and padding have ``loss_mask`` 0. The FORWARD layout (:class:`PackedRows`) is what the model runs on:
+segments (one sequence, or with shared prompts (:func:`share_prompts`, :func:`plan_rows`) a prompt once and
+the outputs of every sample that shares it) concatenated into one row, position ids restarting per segment,
+with the index maps between the two layouts that the packed attention (:mod:`learner.attention`) and the loss
+use. An empty micro-batch is one dummy row of one pad token with ``loss_mask`` 0: the forward and backward
+run (and join the collectives) and contribute exactly zero loss and gradient.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -89,62 +93,67 @@ class TrainSequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
 
-# Per-sample attention of shared rows runs in buckets of similar lengths of at most this many padded tokens,
+# Per-sample attention of packed rows runs in buckets of similar lengths of at most this many padded tokens,
 # so short samples do not pad to the longest of their micro-batch (attention cost grows with length squared).
 ATTENTION_BUCKET_TOKENS = 1024
 
 
 @dataclass
-class SharedRows:
-    """The forward layout of a micro-batch whose samples share prompts (see :mod:`learner.attention`).
+class PackedRows:
+    """The forward layout of a micro-batch (see :mod:`learner.attention`).
 
-    Row ``u`` holds one prompt followed by the outputs of the samples that share it, right-padded to the
-    longest row ``W``; each output's position ids restart at the prompt's length, so every token sits at the
-    position it has in its own sample. ``source`` and ``target`` map between this layout and the
-    micro-batch's per-sample ``[b, L]`` layout.
+    Segments, each one prompt followed by the outputs of the samples that share it (one output for a plain
+    sequence), concatenated into ``r`` rows of width ``W``: with varlen packing one row holding every segment
+    and no padding; without it one row per segment, right-padded to the longest. Position ids restart at 0 at
+    each segment and at the prompt's length for each output, so every token sits at the position it has in
+    its own sample. ``source`` and ``target`` map between this layout and the per-sample ``[b, L]`` layout.
     """
 
     input_ids: Tensor  # long [r, W]; pad_id in padding
     position_ids: Tensor  # long [r, W]; 0 in padding
     source: Tensor  # long [b, L]; flat row position (row * W + col) of sample i's token t (0 in padding)
     target: Tensor  # long [r * W]; position in the flattened bucket outputs that row position takes
-    buckets: list[tuple[int, int, int]]  # (start, end, length): samples start..end-1 attend padded to length
-    real_tokens: int  # tokens in the rows, padding excepted
+    order: Tensor  # long [b]; the samples longest first (ties by position), the order buckets index
+    buckets: list[tuple[int, int, int]]  # (start, end, length): order[start:end] attend padded to length
+    real_tokens: int  # tokens in the rows, padding (and the dummy row's token) excepted
 
-    def to(self, device: torch.device | str) -> SharedRows:
+    def to(self, device: torch.device | str) -> PackedRows:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return SharedRows(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in moved.items()})
+        return PackedRows(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in moved.items()})
 
 
 @dataclass
 class MicroBatch:
-    """Right-padded ``[b, L]`` tensors for one forward/backward (layout in the module docstring).
-
-    ``shared`` is set when samples share prompt rows: the forward then runs on ``shared``'s rows and its
-    logits are gathered back into this ``[b, L]`` layout, where the loss sees them as usual.
+    """One forward/backward: per-sample ``[b, L]`` loss tensors and the packed forward layout ``packed``
+    (both in the module docstring). The forward runs on ``packed``; its log-probs are scattered back into this
+    ``[b, L]`` layout, where the loss sees them as usual.
     """
 
     input_ids: Tensor  # long [b, L]; pad_id in padding
     attention_mask: Tensor  # long [b, L]; 1 on real tokens
-    position_ids: Tensor  # long [b, L]; 0..L-1 per row
+    position_ids: Tensor  # long [b, L]; 0..L-1 per row (each sample's own positions)
     logp_behaviour: Tensor  # float32 [b, L]; the engine's log-prob of token t, 0 off outputs
     versions: Tensor  # long [b, L]; policy version of token t, -1 off outputs
     loss_mask: Tensor  # float32 [b, L]; 1 where token t is trained
     advantages: Tensor  # float32 [b, L]; 0 off outputs
     seq_index: Tensor  # long [b]; TrainSequence.index per row, -1 for the dummy row
-    shared: SharedRows | None = None
+    packed: PackedRows
 
     @property
     def num_tokens(self) -> int:
         """Real tokens in the forward pass (each shared prompt once), the dummy row's excepted."""
-        if self.shared is not None:
-            return self.shared.real_tokens
-        return int(self.attention_mask[self.seq_index >= 0].sum())
+        return self.packed.real_tokens
 
     @property
     def padded_tokens(self) -> int:
-        """Tokens in the forward pass, padding included."""
-        return (self.shared.input_ids if self.shared is not None else self.input_ids).numel()
+        """Tokens the token-wise layers run on, padding included: ``num_tokens`` with varlen packing (the
+        dummy row's one token aside), rows x longest row without it."""
+        return self.packed.input_ids.numel()
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether some prompt runs once for several samples (fewer forward tokens than sample tokens)."""
+        return self.num_tokens < int(self.attention_mask[self.seq_index >= 0].sum())
 
     @property
     def loss_tokens(self) -> int:
@@ -156,7 +165,7 @@ class MicroBatch:
 
     def to(self, device: torch.device | str) -> MicroBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return MicroBatch(**{k: None if v is None else v.to(device) for k, v in moved.items()})
+        return MicroBatch(**{k: v.to(device) for k, v in moved.items()})
 
 
 @dataclass(frozen=True)
@@ -200,21 +209,41 @@ def balance_ranks(lengths: Sequence[int], world_size: int) -> list[list[int]]:
     return ranks
 
 
-def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """Pack sequence indices into micro-batches of padded size ``rows x longest <= token_budget``.
+def plan_micro_batches(lengths: Sequence[int], token_budget: int, varlen: bool = True) -> list[list[int]]:
+    """Pack sequence indices into micro-batches of at most ``token_budget`` tokens, longest first.
 
-    Longest first; a micro-batch takes the next sequence while ``(rows + 1) x its first (longest) length``
-    fits, so lengths within a micro-batch are neighbours in sorted order and padding stays small. A sequence
-    longer than the budget is alone in its micro-batch.
+    ``varlen``: the budget counts real tokens (the sequences share one row, unpadded); each sequence, longest
+    first, goes to the first micro-batch it fits in (first-fit decreasing), else opens a new one. Without
+    ``varlen`` the budget counts padded tokens: a micro-batch takes the next sequence in sorted order while
+    ``(rows + 1) x its first (longest) length`` fits, so lengths within it are neighbours and padding stays
+    small. Either way a sequence longer than the budget is alone in its micro-batch.
     """
     if token_budget < 1:
         raise ValueError(f"token_budget = {token_budget} must be at least 1")
     _check_lengths(lengths)
+    ordered = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return _first_fit(ordered, lengths, token_budget) if varlen else _next_fit(ordered, lengths, token_budget)
+
+
+def _first_fit(ordered: list[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
+    batches: list[list[int]] = []
+    loads: list[int] = []
+    for i in ordered:
+        k = next((k for k, load in enumerate(loads) if load + lengths[i] <= budget), len(batches))
+        if k == len(batches):
+            batches.append([])
+            loads.append(0)
+        batches[k].append(i)
+        loads[k] += lengths[i]
+    return batches
+
+
+def _next_fit(ordered: list[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
     batches: list[list[int]] = []
     current: list[int] = []
     longest = 0
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        if current and (len(current) + 1) * longest > token_budget:
+    for i in ordered:
+        if current and (len(current) + 1) * longest > budget:
             batches.append(current)
             current = []
         if not current:
@@ -225,11 +254,11 @@ def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[i
     return batches
 
 
-def plan_step(lengths: Sequence[int], world_size: int, token_budget: int) -> StepPlan:
+def plan_step(lengths: Sequence[int], world_size: int, token_budget: int, varlen: bool = True) -> StepPlan:
     """Balance across ranks, pack each rank by the budget, pad all ranks to the same micro-batch count."""
     per_rank: list[list[list[int]]] = []
     for share in balance_ranks(lengths, world_size):
-        local = plan_micro_batches([lengths[i] for i in share], token_budget)
+        local = plan_micro_batches([lengths[i] for i in share], token_budget, varlen)
         per_rank.append([[share[j] for j in mb] for mb in local])
     # at least one (then empty) micro-batch: a step left with nothing to run still runs forward and backward,
     # so every rank joins the collectives and the optimizer sees zero gradients, as the whole step would give
@@ -240,11 +269,11 @@ def plan_step(lengths: Sequence[int], world_size: int, token_budget: int) -> Ste
 
 
 def share_prompts(seqs: Sequence[TrainSequence], token_budget: int) -> list[list[int]]:
-    """Forward rows of a step: indices of sequences that share a prompt, one prompt per row.
+    """Forward segments of a step: indices of sequences that share a prompt, one prompt per segment.
 
-    Sequences with identical prompt ids (a group's samples) are taken in order; a row takes the next one while
-    the row (the prompt once plus every output) stays within ``token_budget``, so sharing never makes a row
-    longer than the budget unless a single sequence already is (it then has a row of its own).
+    Sequences with identical prompt ids (a group's samples) are taken in order; a segment takes the next one
+    while it (the prompt once plus every output) stays within ``token_budget``, so sharing never makes a
+    segment longer than the budget unless a single sequence already is (it then has a segment of its own).
     """
     if token_budget < 1:
         raise ValueError(f"token_budget = {token_budget} must be at least 1")
@@ -269,15 +298,15 @@ def share_prompts(seqs: Sequence[TrainSequence], token_budget: int) -> list[list
 
 
 def plan_rows(
-    seqs: Sequence[TrainSequence], world_size: int, token_budget: int, share: bool
+    seqs: Sequence[TrainSequence], world_size: int, token_budget: int, share: bool, varlen: bool = True
 ) -> tuple[list[list[int]], StepPlan]:
-    """A step's forward rows (shared prompts when ``share``, else one sequence each) and their plan."""
+    """A step's forward segments (shared prompts when ``share``, else one sequence each) and their plan."""
     rows = share_prompts(seqs, token_budget) if share else [[i] for i in range(len(seqs))]
-    return rows, plan_step(row_lengths(seqs, rows), world_size, token_budget)
+    return rows, plan_step(row_lengths(seqs, rows), world_size, token_budget, varlen)
 
 
 def row_lengths(seqs: Sequence[TrainSequence], rows: Sequence[Sequence[int]]) -> list[int]:
-    """Tokens of each shared row: its prompt once plus all its outputs."""
+    """Tokens of each segment: its prompt once plus all its outputs."""
     return [len(seqs[r[0]].prompt_ids) + sum(len(seqs[i].output_ids) for i in r) for r in rows]
 
 
@@ -290,106 +319,138 @@ def _check_rows(seqs: Sequence[TrainSequence], rows: Sequence[Sequence[int]]) ->
                 raise ValueError(f"sequences {r[0]} and {i} share a row but not a prompt")
 
 
-def _attention_buckets(lengths: Sequence[int]) -> list[tuple[int, int, int]]:
+def _attention_buckets(sorted_lengths: Sequence[int]) -> list[tuple[int, int, int]]:
     """``(start, end, length)`` ranges of samples (sorted longest first) padded together in attention.
 
-    ``plan_micro_batches`` orders by (length descending, index), which is already the order here, so each of
-    its micro-batches is a contiguous range."""
-    return [(b[0], b[-1] + 1, lengths[b[0]]) for b in plan_micro_batches(lengths, ATTENTION_BUCKET_TOKENS)]
+    Padded packing orders by (length descending, index), which is already the order here, so each of its
+    micro-batches is a contiguous range."""
+    batches = plan_micro_batches(sorted_lengths, ATTENTION_BUCKET_TOKENS, varlen=False)
+    return [(b[0], b[-1] + 1, sorted_lengths[b[0]]) for b in batches]
 
 
-def _shared_rows(seqs: Sequence[TrainSequence], rows: Sequence[Sequence[int]], pad_id: int) -> SharedRows:
-    """The row layout of ``seqs`` (sorted longest first) under ``rows``."""
-    width = max(row_lengths(seqs, rows))
-    buckets = _attention_buckets([s.length for s in seqs])
+def _packed_rows(
+    seqs: Sequence[TrainSequence], rows: Sequence[Sequence[int]], pad_id: int, varlen: bool
+) -> PackedRows:
+    """The forward layout of ``seqs`` under ``rows`` (segments): one unpadded row, or one padded row each."""
+    seg_lengths = row_lengths(seqs, rows)
+    width = sum(seg_lengths) if varlen else max(seg_lengths)
+    bases = [0, *accumulate(seg_lengths)][:-1] if varlen else [u * width for u in range(len(rows))]
+    order = sorted(range(len(seqs)), key=lambda i: (-seqs[i].length, i))
+    buckets = _attention_buckets([seqs[i].length for i in order])
     flat_start: dict[int, int] = {}  # sample -> its first position in the flattened bucket outputs
     offset = 0
     for start, end, length in buckets:
-        for i in range(start, end):
-            flat_start[i] = offset + (i - start) * length
+        for j in range(start, end):
+            flat_start[order[j]] = offset + (j - start) * length
         offset += (end - start) * length
-    out = SharedRows(
-        input_ids=torch.full((len(rows), width), pad_id, dtype=torch.long),
-        position_ids=torch.zeros(len(rows), width, dtype=torch.long),
-        source=torch.zeros(len(seqs), seqs[0].length, dtype=torch.long),
-        target=torch.zeros(len(rows) * width, dtype=torch.long),
+    n_rows = 1 if varlen else len(rows)
+    out = PackedRows(
+        input_ids=torch.full((n_rows, width), pad_id, dtype=torch.long),
+        position_ids=torch.zeros(n_rows, width, dtype=torch.long),
+        source=torch.zeros(len(seqs), max(s.length for s in seqs), dtype=torch.long),
+        target=torch.zeros(n_rows * width, dtype=torch.long),
+        order=torch.tensor(order, dtype=torch.long),
         buckets=buckets,
-        real_tokens=sum(row_lengths(seqs, rows)),
+        real_tokens=sum(seg_lengths),
     )
-    for u, members in enumerate(rows):
-        base, prompt = u * width, seqs[members[0]].prompt_ids
-        p = len(prompt)
-        out.input_ids[u, :p] = prompt
-        out.position_ids[u, :p] = torch.arange(p)
-        out.target[base : base + p] = flat_start[members[0]] + torch.arange(p)  # the first sample's copy
-        col = p
-        for i in members:
-            o = len(seqs[i].output_ids)
-            out.input_ids[u, col : col + o] = seqs[i].output_ids
-            out.position_ids[u, col : col + o] = torch.arange(p, p + o)
-            out.source[i, :p] = base + torch.arange(p)
-            out.source[i, p : p + o] = base + col + torch.arange(o)
-            out.target[base + col : base + col + o] = flat_start[i] + p + torch.arange(o)
-            col += o
+    for base, members in zip(bases, rows, strict=True):
+        _place_segment(out, seqs, members, base, flat_start)
     return out
 
 
+def _place_segment(
+    out: PackedRows,
+    seqs: Sequence[TrainSequence],
+    members: Sequence[int],
+    base: int,
+    flat_start: dict[int, int],
+) -> None:
+    """Write one segment (a prompt, then the outputs of ``members``) at flat row position ``base``."""
+    ids, pos = out.input_ids.view(-1), out.position_ids.view(-1)
+    prompt = seqs[members[0]].prompt_ids
+    p = len(prompt)
+    ids[base : base + p] = prompt
+    pos[base : base + p] = torch.arange(p)
+    out.target[base : base + p] = flat_start[members[0]] + torch.arange(p)  # the first sample's copy
+    col = base + p
+    for i in members:
+        o = len(seqs[i].output_ids)
+        ids[col : col + o] = seqs[i].output_ids
+        pos[col : col + o] = torch.arange(p, p + o)
+        out.source[i, :p] = base + torch.arange(p)
+        out.source[i, p : p + o] = col + torch.arange(o)
+        out.target[col : col + o] = flat_start[i] + p + torch.arange(o)
+        col += o
+
+
 def collate(
-    seqs: Sequence[TrainSequence], pad_id: int = 0, rows: Sequence[Sequence[int]] | None = None
+    seqs: Sequence[TrainSequence],
+    pad_id: int = 0,
+    rows: Sequence[Sequence[int]] | None = None,
+    varlen: bool = True,
 ) -> MicroBatch:
-    """Right-pad ``seqs`` into one :class:`MicroBatch`; no sequences gives the one-token dummy row.
+    """Collate ``seqs`` (in the given order) into one :class:`MicroBatch`; no sequences gives the dummy row.
 
-    ``rows`` (indices into ``seqs``, each sequence once, a row's sequences sharing one prompt) adds the
-    shared forward layout when some row holds more than one sequence; the samples are then laid out
-    longest first (``seq_index`` says which is which).
+    ``rows`` (indices into ``seqs``, each sequence once, a row's sequences sharing one prompt) are the forward
+    segments; by default each sequence is its own. ``varlen`` packs every segment into one unpadded row;
+    otherwise each segment is a row, right-padded to the longest.
     """
-    if seqs and rows is not None:
-        _check_rows(seqs, rows)
-        if any(len(r) > 1 for r in rows):
-            order = sorted(range(len(seqs)), key=lambda i: (-seqs[i].length, i))
-            place = {old: new for new, old in enumerate(order)}
-            ordered = [seqs[i] for i in order]
-            mb = _collate_samples(ordered, pad_id)
-            mb.shared = _shared_rows(ordered, [[place[i] for i in r] for r in rows], pad_id)
-            return mb
-    return _collate_samples(seqs, pad_id)
-
-
-def _collate_samples(seqs: Sequence[TrainSequence], pad_id: int) -> MicroBatch:
     if not seqs:
-        one = torch.ones(1, 1, dtype=torch.long)
-        zero_f = torch.zeros(1, 1)
-        return MicroBatch(
-            input_ids=one * pad_id,
-            attention_mask=one,
-            position_ids=one * 0,
-            logp_behaviour=zero_f,
-            versions=-one,
-            loss_mask=zero_f.clone(),
-            advantages=zero_f.clone(),
-            seq_index=torch.tensor([-1]),
-        )
-    b, width = len(seqs), max(s.length for s in seqs)
-    mb = MicroBatch(
-        input_ids=torch.full((b, width), pad_id, dtype=torch.long),
-        attention_mask=torch.zeros(b, width, dtype=torch.long),
-        position_ids=torch.arange(width).expand(b, width).clone(),
-        logp_behaviour=torch.zeros(b, width),
-        versions=torch.full((b, width), -1, dtype=torch.long),
-        loss_mask=torch.zeros(b, width),
-        advantages=torch.zeros(b, width),
-        seq_index=torch.tensor([s.index for s in seqs], dtype=torch.long),
+        return _dummy(pad_id)
+    rows = [[i] for i in range(len(seqs))] if rows is None else rows
+    _check_rows(seqs, rows)
+    return MicroBatch(**_sample_tensors(seqs, pad_id), packed=_packed_rows(seqs, rows, pad_id, varlen))
+
+
+def _dummy(pad_id: int) -> MicroBatch:
+    one = torch.ones(1, 1, dtype=torch.long)
+    zero_f = torch.zeros(1, 1)
+    zero = torch.zeros(1, dtype=torch.long)
+    packed = PackedRows(
+        input_ids=one * pad_id,
+        position_ids=one * 0,
+        source=one * 0,
+        target=zero,
+        order=zero.clone(),
+        buckets=[(0, 1, 1)],
+        real_tokens=0,
     )
+    return MicroBatch(
+        input_ids=one * pad_id,
+        attention_mask=one,
+        position_ids=one * 0,
+        logp_behaviour=zero_f,
+        versions=-one,
+        loss_mask=zero_f.clone(),
+        advantages=zero_f.clone(),
+        seq_index=torch.tensor([-1]),
+        packed=packed,
+    )
+
+
+def _sample_tensors(seqs: Sequence[TrainSequence], pad_id: int) -> dict[str, Tensor]:
+    """The per-sample ``[b, L]`` fields of a :class:`MicroBatch`, right-padded to the longest sample."""
+    b, width = len(seqs), max(s.length for s in seqs)
+    t = {
+        "input_ids": torch.full((b, width), pad_id, dtype=torch.long),
+        "attention_mask": torch.zeros(b, width, dtype=torch.long),
+        "position_ids": torch.arange(width).expand(b, width).clone(),
+        "logp_behaviour": torch.zeros(b, width),
+        "versions": torch.full((b, width), -1, dtype=torch.long),
+        "loss_mask": torch.zeros(b, width),
+        "advantages": torch.zeros(b, width),
+        "seq_index": torch.tensor([s.index for s in seqs], dtype=torch.long),
+    }
     for row, s in enumerate(seqs):
         p, n = len(s.prompt_ids), s.length
-        mb.input_ids[row, :p] = s.prompt_ids
-        mb.input_ids[row, p:n] = s.output_ids
-        mb.attention_mask[row, :n] = 1
-        mb.logp_behaviour[row, p:n] = s.logprobs
-        mb.versions[row, p:n] = s.versions
-        mb.loss_mask[row, p:n] = s.loss_mask
-        mb.advantages[row, p:n] = s.advantages
-    return mb
+        t["input_ids"][row, :p] = s.prompt_ids
+        t["input_ids"][row, p:n] = s.output_ids
+        t["attention_mask"][row, :n] = 1
+        t["logp_behaviour"][row, p:n] = s.logprobs
+        t["versions"][row, p:n] = s.versions
+        t["loss_mask"][row, p:n] = s.loss_mask
+        t["advantages"][row, p:n] = s.advantages
+    return t
 
 
 def rank_micro_batches(
@@ -398,6 +459,7 @@ def rank_micro_batches(
     rank: int,
     pad_id: int = 0,
     rows: Sequence[Sequence[int]] | None = None,
+    varlen: bool = True,
 ) -> list[MicroBatch]:
     """The collated micro-batches of ``rank`` under ``plan``.
 
@@ -415,7 +477,7 @@ def rank_micro_batches(
         for u in mb:
             start = local[-1][-1] + 1 if local else 0
             local.append(list(range(start, start + len(rows[u]))))
-        batches.append(collate([seqs[i] for i in members], pad_id, local))
+        batches.append(collate([seqs[i] for i in members], pad_id, local, varlen))
     return batches
 
 
@@ -425,22 +487,6 @@ def step_loss_units(seqs: Sequence[TrainSequence], aggregation: Aggregation) -> 
     if aggregation == "token-mean":
         return int(sum(int(s.loss_mask.sum()) for s in seqs))
     return sum(1 for s in seqs if bool((s.loss_mask > 0).any()))
-
-
-def gather_logprobs(logits: Tensor, input_ids: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
-    """``logits [b, L, V]``, ``input_ids [b, L]`` -> ``[b, L]``: at position t, log p(token t | tokens < t).
-
-    ``temperature`` is a float or a per-row ``[b, 1, 1]`` tensor. Computed from the logits at t - 1 as
-    ``log_softmax(logits / temperature)``, the same quantity the engine
-    reports for a sampled token; position 0 is 0. Done in float32 with logsumexp (no [b, L, V] log-softmax
-    copy is kept beyond the one the division makes). Gradients flow into ``logits``.
-    """
-    if logits.shape[:2] != input_ids.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and input_ids {tuple(input_ids.shape)} disagree")
-    scaled = logits[:, :-1].float() / temperature
-    picked = scaled.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    token_logp = picked - torch.logsumexp(scaled, dim=-1)
-    return torch.cat([token_logp.new_zeros(token_logp.shape[0], 1), token_logp], dim=1)
 
 
 def carries_gradient(seq: TrainSequence) -> bool:
@@ -476,16 +522,18 @@ def step_inputs(
     share: bool,
     aggregation: Aggregation,
     skip_zero_gradient: bool,
+    varlen: bool = True,
 ) -> StepInputs:
     """Plan and collate a step for ``world_size`` ranks. ``temps[i]`` is the temperature of ``seqs[i]``.
 
     With ``skip_zero_gradient`` the sequences that carry no gradient (:func:`carries_gradient`) are not run;
     the normaliser still counts them, so the loss, the gradient and the update are those of the whole step.
+    ``varlen``: pack each micro-batch into one unpadded row (see :func:`plan_micro_batches`).
     """
     normaliser = float(max(1, step_loss_units(seqs, aggregation)))
     kept = [s for s in seqs if carries_gradient(s)] if skip_zero_gradient else list(seqs)
-    rows, plan = plan_rows(kept, world_size, token_budget, share)
-    per_rank = [rank_micro_batches(kept, plan, rank, rows=rows) for rank in range(world_size)]
+    rows, plan = plan_rows(kept, world_size, token_budget, share, varlen)
+    per_rank = [rank_micro_batches(kept, plan, rank, rows=rows, varlen=varlen) for rank in range(world_size)]
     rank_temps = [
         [torch.tensor([temps[i] if i >= 0 else 1.0 for i in mb.seq_index.tolist()]) for mb in mbs]
         for mbs in per_rank

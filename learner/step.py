@@ -4,6 +4,10 @@ Every rank runs the same number of micro-batches (the plan pads with empty ones)
 up. The loss of each micro-batch is normalised by the step's GLOBAL unit count and multiplied by the world
 size, because FSDP2 averages gradients across ranks: the sum over micro-batches and ranks then equals the
 loss of the whole batch computed at once.
+
+The forward never makes ``[tokens, vocab]`` logits: the model runs on the micro-batch's packed rows and
+returns its final hidden states, and :func:`learner.logprobs.token_logprobs` computes the trained tokens'
+log-probs and entropies chunk by chunk from them and the lm-head's weight.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
-from learner.attention import SHARED_PROMPT_ATTENTION
+from learner.attention import PACKED_ATTENTION
 from learner.config import LearnerConfig
+from learner.logprobs import token_logprobs
 from learner.losses import compute_policy_loss
-from learner.packing import MicroBatch, gather_logprobs
+from learner.packing import MicroBatch
 
 
 @dataclass
@@ -26,14 +32,6 @@ class StepResult:
     applied: bool  # False: a non-finite loss or gradient skipped the optimizer step
     grad_norm: float
     metrics: dict[str, float]
-
-
-def token_entropy(logits: Tensor, temperature: Tensor) -> Tensor:
-    """Entropy ``[b, L]`` of the predictive distribution for token t (from position t - 1); position 0 is 0."""
-    with torch.no_grad():
-        logp = torch.log_softmax(logits[:, :-1].float() / temperature[:, None, None], dim=-1)
-        ent = -(logp.exp() * logp).sum(-1)
-    return torch.cat([ent.new_zeros(ent.shape[0], 1), ent], dim=1)
 
 
 class MetricSums:
@@ -75,31 +73,78 @@ LOSS_METRIC_MEANS = [
 MAX_KEYS = ["is_weight_max", "ratio_max"]
 
 
-def forward_logits(model: nn.Module, mb: MicroBatch) -> Tensor:
-    """Logits ``[b, L, V]`` in the micro-batch's per-sample layout.
+# The packed attention reads no mask, so none is built (a packed row's would be [T, T]); one per layer type.
+_NO_MASK = {"full_attention": None, "sliding_attention": None}
 
-    A micro-batch with shared prompt rows runs the rows (each prompt once) through a model loaded with the
-    shared-prompt attention (:mod:`learner.attention`) and gathers the logits back per sample.
+
+def forward_hidden(model: nn.Module, mb: MicroBatch) -> Tensor:
+    """Final hidden states (after the final norm) ``[r * W, H]`` of the micro-batch's packed rows, flattened.
+
+    The root module is called, not ``model.model``, so FSDP2's root hooks gather the embedding, final norm and
+    lm-head; ``logits_to_keep`` selects no position, so the lm-head runs on zero tokens and the hidden states
+    come from ``output_hidden_states=-1`` (the normed ``last_hidden_state``, the one entry it keeps). Taking
+    them from the root's output rather than from a hook inside it also matters to FSDP2: it registers its root
+    pre-backward hook on the root's outputs, and only these carry a gradient (the empty logits do not).
     """
-    if mb.shared is None:
-        return model(
-            input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
-        ).logits
     implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation != SHARED_PROMPT_ATTENTION:
+    if implementation != PACKED_ATTENTION:
         raise ValueError(
-            f"micro-batch has shared prompt rows but the model's attention is {implementation!r}; "
-            f"load it with attn_implementation={SHARED_PROMPT_ATTENTION!r} or set learner.share_prompts=false"
+            f"the learner's forward runs on packed rows but the model's attention is {implementation!r}; "
+            f"load it with attn_implementation={PACKED_ATTENTION!r}, which "
+            "learner.attention.register_packed_attention() registers"
         )
-    rows = mb.shared
-    logits = model(
+    rows = mb.packed
+    out = model(
         input_ids=rows.input_ids,
         position_ids=rows.position_ids,
-        prompt_source=rows.source,
-        prompt_target=rows.target,
-        prompt_buckets=rows.buckets,
-    ).logits
-    return logits.flatten(0, 1)[rows.source]
+        attention_mask=_NO_MASK,
+        packed_source=rows.source,
+        packed_target=rows.target,
+        packed_order=rows.order,
+        packed_buckets=rows.buckets,
+        logits_to_keep=torch.zeros_like(rows.input_ids, dtype=torch.bool),
+        output_hidden_states=-1,  # only the last one: the others come back as None
+        use_cache=False,
+    )
+    return out.hidden_states[-1].flatten(0, 1)
+
+
+def lm_head_parameters(model: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """The output projection's ``weight [V, H]`` and ``bias [V] | None`` as the forward used them.
+
+    Under FSDP2 these are the unsharded parameters, which the root keeps after its forward (it does not
+    reshard after forward); their gradient then reaches FSDP2's reduce-scatter like the model's own."""
+    head = model.get_output_embeddings()
+    weight, bias = head.weight, getattr(head, "bias", None)
+    if isinstance(weight, DTensor):
+        raise RuntimeError(
+            "the lm-head weight is still sharded after the root forward: shard the root with "
+            "reshard_after_forward=False (fully_shard's default for the root)"
+        )
+    return weight, bias
+
+
+def sample_logprobs(
+    model: nn.Module, mb: MicroBatch, temperature: Tensor, chunk_tokens: int
+) -> tuple[Tensor, Tensor]:
+    """Log-probs ``[b, L]`` (with gradient) and entropies ``[b, L]`` of the trained tokens, 0 elsewhere.
+
+    ``temperature [b]`` is each sample's sampling temperature. Only positions with ``loss_mask`` set are
+    computed, each from the hidden state of the position before it in its own sample (``packed.source``).
+    """
+    hidden = forward_hidden(model, mb)
+    rows, cols = (mb.loss_mask > 0).nonzero(as_tuple=True)
+    weight, bias = lm_head_parameters(model)
+    logp, entropy = token_logprobs(
+        hidden[mb.packed.source[rows, cols - 1]],
+        weight,
+        bias,
+        mb.input_ids[rows, cols],
+        temperature[rows],
+        chunk_tokens,
+    )
+    zeros = torch.zeros(mb.loss_mask.shape, dtype=torch.float32, device=hidden.device)
+    return zeros.index_put((rows, cols), logp), zeros.index_put((rows, cols), entropy)
 
 
 def micro_batch_forward(
@@ -113,8 +158,7 @@ def micro_batch_forward(
     sums: MetricSums,
 ) -> Tensor:
     """Forward + backward of one micro-batch; returns the (detached) loss contribution."""
-    logits = forward_logits(model, mb)
-    logp = gather_logprobs(logits, mb.input_ids, temperature[:, None, None])  # per-row temperature
+    logp, entropy = sample_logprobs(model, mb, temperature, config.loss_chunk_tokens)
     mask = mb.loss_mask
     loss, metrics = compute_policy_loss(
         logp, mb.logp_behaviour, logp.detach(), mb.advantages, mask, config.loss, normaliser=normaliser
@@ -129,7 +173,7 @@ def micro_batch_forward(
             sums.add_max(name, float(metrics[name]))
     if tokens > 0:
         valid = mask > 0
-        sums.add_mean("entropy", float(token_entropy(logits, temperature)[valid].mean()), tokens)
+        sums.add_mean("entropy", float(entropy[valid].mean()), tokens)
         fresh = valid & (mb.versions == learner_version)
         n_fresh = float(fresh.sum())
         if n_fresh > 0:

@@ -29,11 +29,18 @@ from broker.metrics import MetricsWriter
 from broker.record import TrajectoryGroup
 from broker.staleness import Lineage, RedisCounters, StalenessManager, staleness_stats
 from broker.version import PolicyVersion
-from learner.attention import register_shared_prompt_attention
+from learner.attention import register_packed_attention
 from learner.checkpoint import CheckpointManager, CheckpointMeta, LedgerEntry, export_hf
 from learner.config import LearnerConfig
 from learner.distributed import DistInfo, shard_model
-from learner.intake import Intake, NotReady, StepBatch, group_advantages, run_coroutine
+from learner.intake import (
+    Intake,
+    NotReady,
+    StepBatch,
+    group_advantages,
+    run_coroutine,
+    sequence_limit,
+)
 from learner.packing import MicroBatch, StepInputs, TrainSequence, step_inputs
 from learner.publish import Publication
 from learner.step import train_step
@@ -110,6 +117,7 @@ def plan_step_inputs(
         config.share_prompts,
         config.loss.aggregation,
         skip_zero_gradient=skips_zero_gradient(config),
+        varlen=config.varlen,
     )
 
 
@@ -174,6 +182,9 @@ class Learner:
         self._last_resync_check = 0.0
         self._last_publish_metrics: dict[str, float] = {}  # the latest sync's, logged with the next step
         self.model, self.optimizer, self.scheduler = self._build_model()
+        # refused here, on every rank, when impossible; rank 0's intake drops groups with longer samples
+        model_context = getattr(self.model.config, "max_position_embeddings", None)
+        self.max_seq_len = sequence_limit(config.max_seq_len, model_context)
 
     # ----- setup -------------------------------------------------------------------------------------------
 
@@ -186,10 +197,12 @@ class Learner:
         model = AutoModelForCausalLM.from_pretrained(
             self.shared.model_path,
             dtype=torch.float32,
-            attn_implementation=register_shared_prompt_attention(),
+            attn_implementation=register_packed_attention(),
         )
         model.to(self.info.device)
-        model = shard_model(model, self.info.device, self.config.activation_checkpointing)
+        model = shard_model(
+            model, self.info.device, self.config.activation_checkpointing, self.config.mixed_precision
+        )
         optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=self.config.lr,
@@ -216,7 +229,12 @@ class Learner:
                 self.shared.eta, self.config.groups_per_step, 1 << 30, RedisCounters(client, self.shared)
             )
             self.intake = Intake(
-                self.consumer, admission, self.config, self.shared.eta, self.stop_requested.is_set
+                self.consumer,
+                admission,
+                self.config,
+                self.shared.eta,
+                self.stop_requested.is_set,
+                max_seq_len=self.max_seq_len,
             )
 
         self._call(make())

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from learner.attention import register_shared_prompt_attention
+from learner.attention import register_packed_attention
 from learner.checkpoint import CheckpointManager, CheckpointMeta
 from learner.config import LearnerConfig, LossConfig
 from learner.distributed import free_port, full_parameters, init_distributed, shard_model
@@ -32,9 +32,13 @@ LR, MOMENTUM = 0.1, 0.9
 
 
 def _config(loss: str, aggregation: str) -> LearnerConfig:
-    # no clipping: a clipped update hides a gradient that is off by a constant factor (e.g. the world size)
+    # no clipping: a clipped update hides a gradient that is off by a constant factor (e.g. the world size);
+    # 16-token loss chunks: several per micro-batch, the last one short, with the lm-head weight FSDP2 gathered
     return LearnerConfig(
-        micro_batch_tokens=64, max_grad_norm=1e6, loss=LossConfig(policy_loss=loss, aggregation=aggregation)
+        micro_batch_tokens=64,
+        loss_chunk_tokens=16,
+        max_grad_norm=1e6,
+        loss=LossConfig(policy_loss=loss, aggregation=aggregation),
     )
 
 
@@ -45,7 +49,7 @@ def _run_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, world: int, r
         seqs, temps = make_sequences(12, seed=k, group_size=group_size)
         mbs, mb_temps, normaliser = rank_inputs(seqs, temps, config, world, rank)
         result = train_step(model, opt, mbs, mb_temps, config, normaliser, learner_version=0)
-        shared = sum(m.shared is not None for m in mbs)
+        shared = sum(m.shares_prompts for m in mbs)
         out.append(
             {"applied": result.applied, "loss": result.metrics["loss"], "mbs": len(mbs), "shared": shared}
         )
@@ -56,7 +60,7 @@ def _load(model_dir: str | Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation=register_shared_prompt_attention()
+        model_dir, dtype=torch.float32, attn_implementation=register_packed_attention()
     )
 
 

@@ -4,7 +4,8 @@ computed by hand, one unpadded sequence at a time.
 At staleness 0 (behaviour log-probs = the learner's own), decoupled PPO with ``pi_prox = sg(pi)`` has ratio 1
 and weight 1, so its gradient must be REINFORCE's: ``-sum_i A_i sum_t grad log pi(y_it) / N_tokens``. The
 packing tests compare forward VALUES of padded rows; this compares the GRADIENT that train_step applies, so
-padding, attention masks, position ids, temperatures, loss masks and the normaliser are all covered at once.
+padding, attention masks, position ids, temperatures, loss masks and the normaliser are all covered at once,
+and so are the packed (varlen) rows and the chunked lm-head loss, whose gradient must reach the tied embedding.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.attention import register_shared_prompt_attention
+from learner.attention import register_packed_attention
 from learner.config import LearnerConfig, LossConfig
 from learner.packing import TrainSequence
 from learner.step import train_step
@@ -33,15 +34,24 @@ def _unpadded_logp(model: torch.nn.Module, s: TrainSequence, temperature: float)
 
 
 @pytest.mark.parametrize(
-    "policy_loss,group_size,flat_groups",
-    [("decoupled_ppo", 1, 0), ("ppo", 1, 0), ("tis", 1, 0), ("decoupled_ppo", 4, 0), ("decoupled_ppo", 4, 1)],
+    "policy_loss,group_size,flat_groups,varlen",
+    [
+        ("decoupled_ppo", 1, 0, True),
+        ("ppo", 1, 0, True),
+        ("tis", 1, 0, True),
+        ("decoupled_ppo", 4, 0, True),
+        ("decoupled_ppo", 4, 1, True),
+        ("decoupled_ppo", 1, 0, False),
+        ("decoupled_ppo", 4, 0, False),
+    ],
 )
 def test_padded_step_update_equals_hand_grpo_gradient(
-    tmp_path: Path, policy_loss: str, group_size: int, flat_groups: int
+    tmp_path: Path, policy_loss: str, group_size: int, flat_groups: int, varlen: bool
 ) -> None:
     """group_size 4: samples share prompts, so the step runs shared rows (each prompt once). flat_groups: that
     many groups have advantage 0 (all-equal rewards); the step leaves them out of the forward but not out of
-    the normaliser, so the update is still the whole step's."""
+    the normaliser, so the update is still the whole step's. varlen: each micro-batch is one unpadded row;
+    otherwise one padded row per sequence or shared prompt."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
@@ -49,7 +59,7 @@ def test_padded_step_update_equals_hand_grpo_gradient(
     model = AutoModelForCausalLM.from_pretrained(
         init_tiny_model(tmp_path / "m"),
         dtype=torch.float32,
-        attn_implementation=register_shared_prompt_attention(),
+        attn_implementation=register_packed_attention(),
     )
     raw, temps = make_sequences(10, seed=3, group_size=group_size)
     with torch.no_grad():  # on-policy: the behaviour log-probs are the model's own
@@ -65,11 +75,18 @@ def test_padded_step_update_equals_hand_grpo_gradient(
         for s in seqs
     ]  # fmt: skip
     config = LearnerConfig(
-        world_size=1, micro_batch_tokens=96, max_grad_norm=1e9, loss=LossConfig(policy_loss=policy_loss)
+        world_size=1,
+        micro_batch_tokens=96,
+        varlen=varlen,
+        loss_chunk_tokens=7,  # several chunks per micro-batch, the last one short
+        max_grad_norm=1e9,
+        loss=LossConfig(policy_loss=policy_loss),
     )
     mbs, mb_temps, normaliser = rank_inputs(seqs, temps, config, 1, 0)
     assert len(mbs) > 1 and any(int(m.attention_mask.sum()) < m.attention_mask.numel() for m in mbs)
-    shared = [m for m in mbs if m.shared is not None]
+    padded = sum(m.padded_tokens for m in mbs) - sum(m.num_tokens for m in mbs)
+    assert (padded == 0) == varlen
+    shared = [m for m in mbs if m.shares_prompts]
     assert bool(shared) == (group_size > 1)
     if group_size > 1:  # each shared row holds its prompt once
         assert sum(m.num_tokens for m in mbs) < sum(s.length for s in seqs)
@@ -87,7 +104,11 @@ def test_padded_step_update_equals_hand_grpo_gradient(
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.zero_grad()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)  # the update IS minus the gradient
+    head_tokens: list[int] = []  # the lm-head's input sizes: the step never makes [tokens, vocab] logits
+    hook = model.lm_head.register_forward_hook(lambda m, args, out: head_tokens.append(args[0].shape[0]))
     result = train_step(model, opt, mbs, mb_temps, config, normaliser, learner_version=0)
+    hook.remove()
     assert result.applied
+    assert head_tokens == [0] * len(mbs)
     for name, p in model.named_parameters():
         torch.testing.assert_close(before[name] - p.detach(), expected[name], atol=2e-6, rtol=1e-4, msg=name)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from learner.attention import register_packed_attention
 from learner.config import LearnerConfig
 from learner.step import train_step
 from rollout_fleet.model import init_tiny_model
@@ -26,7 +27,9 @@ def _setup(model_dir: Path):  # noqa: ANN202
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=register_packed_attention()
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = LearnerConfig(micro_batch_tokens=64)
     seqs, temps = make_sequences(6, seed=3)

@@ -1,4 +1,5 @@
-"""Token-budget packing, rank balancing and the micro-batch layout (checked against a real HF forward)."""
+"""Token-budget packing, rank balancing and the micro-batch layouts (checked against a real HF forward of
+each sequence alone: packed rows never let one sequence see another)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from learner.attention import register_packed_attention
 from learner.config import LossConfig
 from learner.losses import compute_policy_loss
 from learner.packing import (
@@ -16,13 +18,14 @@ from learner.packing import (
     balance_ranks,
     carries_gradient,
     collate,
-    gather_logprobs,
     plan_micro_batches,
     plan_step,
     rank_micro_batches,
     step_inputs,
     step_loss_units,
 )
+from learner.step import sample_logprobs
+from tests.reference_logprobs import gather_logprobs
 
 torch.set_num_threads(1)
 
@@ -45,13 +48,18 @@ def test_plan_micro_batches_by_hand() -> None:
     #   [#0, #4]: 2 x 10 = 20 fits; adding #2 would be 3 x 10 = 30
     #   [#2, #5]: 2 x 7 = 14;       adding #1 would be 3 x 7 = 21
     #   [#1, #3]: 2 x 3 = 6
-    assert plan_micro_batches([10, 3, 7, 2, 9, 4], 20) == [[0, 4], [2, 5], [1, 3]]
+    assert plan_micro_batches([10, 3, 7, 2, 9, 4], 20, varlen=False) == [[0, 4], [2, 5], [1, 3]]
+    # varlen, 20 real tokens, first fit: 10 + 9 = 19 (7 does not fit) | 7 + 4 + 3 + 2 = 16
+    assert plan_micro_batches([10, 3, 7, 2, 9, 4], 20) == [[0, 4], [2, 5, 1, 3]]
+    # first fit goes back to an earlier micro-batch: 12 | 9 (12 + 9 > 20) | 8 -> with 12 (20) | 2 -> with 9
+    assert plan_micro_batches([12, 9, 8, 2], 20) == [[0, 2], [1, 3]]
 
 
 def test_a_sequence_over_the_budget_gets_its_own_micro_batch() -> None:
     # 50 > 20: alone; then 5 and 5 (2 x 5 = 10) together
-    assert plan_micro_batches([50, 5, 5], 20) == [[0], [1, 2]]
-    assert plan_micro_batches([50, 60], 20) == [[1], [0]]
+    for varlen in (True, False):
+        assert plan_micro_batches([50, 5, 5], 20, varlen) == [[0], [1, 2]]
+        assert plan_micro_batches([50, 60], 20, varlen) == [[1], [0]]
 
 
 def test_balance_ranks_by_hand() -> None:
@@ -107,7 +115,8 @@ def test_long_tail_step_every_token_once_budgets_balance() -> None:
     for rank in range(world):
         for mb in rank_micro_batches(seqs, plan, rank):
             rows = int((mb.seq_index >= 0).sum())
-            assert rows == 1 or mb.padded_tokens <= budget  # the budget holds, except for a lone long row
+            assert rows == 1 or mb.num_tokens <= budget  # the budget holds, except for a lone long row
+            assert mb.padded_tokens == max(1, mb.num_tokens)  # varlen: no padding (the dummy's one token)
             for row, idx in enumerate(mb.seq_index.tolist()):
                 if idx < 0:
                     assert mb.is_empty and mb.loss_tokens == 0
@@ -124,9 +133,13 @@ def test_long_tail_step_every_token_once_budgets_balance() -> None:
                 assert torch.allclose(mb.advantages[row, p:n], s.advantages.expand(n - p))
     assert seen == {i: 1 for i in range(len(seqs))}
 
-    # packing avoids most of the padding that padding to the step's longest sequence would cost
+    # without varlen, packing by padded size avoids most of the padding that padding to the step's longest
+    # sequence would cost
     real = sum(s.length for s in seqs)
-    padded = sum(mb.padded_tokens for r in range(world) for mb in rank_micro_batches(seqs, plan, r))
+    plan = plan_step([s.length for s in seqs], world, budget, varlen=False)
+    mbs = [mb for r in range(world) for mb in rank_micro_batches(seqs, plan, r, varlen=False)]
+    assert all(mb.num_tokens <= budget or int((mb.seq_index >= 0).sum()) == 1 for mb in mbs)
+    padded = sum(mb.padded_tokens for mb in mbs)
     assert padded < 1.2 * real  # measured 1.125, dummy rows included
     assert padded * 100 < len(seqs) * max(s.length for s in seqs)
 
@@ -163,42 +176,82 @@ def _tiny_model() -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config).eval()
 
 
-def test_layout_matches_unpadded_forward_of_each_sequence() -> None:
-    # the padded micro-batch through a real HF model gives, for every output token, the same log-prob as a
-    # forward of that sequence alone: padding, position ids and the t-1 -> t shift are right
+def _packed_model() -> Qwen2ForCausalLM:
     model = _tiny_model()
-    seqs = [make_seq(i, p, o, vocab=64) for i, (p, o) in enumerate([(3, 9), (5, 2), (1, 4)])]
-    mb = collate(seqs)
+    model.set_attn_implementation(register_packed_attention())
+    return model
+
+
+@pytest.mark.parametrize("varlen", [True, False])
+def test_layout_matches_unpadded_forward_of_each_sequence(varlen: bool) -> None:
+    # the learner's forward of a packed micro-batch (several sequences in one row, position ids restarting at
+    # each; or one padded row each) gives, for every trained token, the log-prob of a forward of that sequence
+    # alone: attention never crosses a sequence, positions and the t-1 -> t shift are right
+    model = _packed_model()
+    seqs = [make_seq(i, p, o, vocab=64) for i, (p, o) in enumerate([(3, 9), (5, 2), (1, 4), (2, 7)])]
+    temps = torch.tensor([1.0, 0.7, 1.3, 1.0])
+    mb = collate(seqs, varlen=varlen)
+    rows = mb.packed
+    if varlen:  # one row, every sequence once, positions restarting at 0
+        assert rows.input_ids.shape == (1, sum(s.length for s in seqs)) and mb.padded_tokens == mb.num_tokens
+        starts = [0, 12, 19, 24]
+        assert [int(rows.position_ids[0, k]) for k in starts] == [0, 0, 0, 0]
+        assert rows.position_ids[0, 11] == 11 and rows.position_ids[0, -1] == 8
+    else:
+        assert rows.input_ids.shape == (4, 12) and mb.padded_tokens == 48
     with torch.no_grad():
-        logits = model(
-            input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
-        ).logits
-        batched = gather_logprobs(logits, mb.input_ids)
+        logp, entropy = sample_logprobs(model, mb, temps, chunk_tokens=5)
         for row, s in enumerate(seqs):
             ids = torch.cat([s.prompt_ids, s.output_ids])[None]
-            alone = gather_logprobs(model(input_ids=ids).logits, ids)[0]
+            logits = model(input_ids=ids).logits
+            alone = gather_logprobs(logits, ids, float(temps[row]))[0]
             p, n = len(s.prompt_ids), s.length
-            torch.testing.assert_close(batched[row, p:n], alone[p:n], atol=1e-5, rtol=0)
+            mask = mb.loss_mask[row, :n]
+            assert mask.sum() > 0
+            torch.testing.assert_close(logp[row, :n], alone * mask, atol=1e-5, rtol=0)
+            assert logp[row, n:].abs().sum() == 0 and logp[row, :p].abs().sum() == 0
             # and the same numbers by hand from the logits at t - 1
             t = p  # first output token
-            expected = torch.log_softmax(model(input_ids=ids).logits[0, t - 1], -1)[ids[0, t]]
-            torch.testing.assert_close(batched[row, t], expected, atol=1e-5, rtol=0)
+            expected = torch.log_softmax(logits[0, t - 1] / temps[row], -1)[ids[0, t]] * mask[t]
+            torch.testing.assert_close(logp[row, t], expected, atol=1e-5, rtol=0)
+            lp = torch.log_softmax(logits[0, p - 1 : n - 1] / temps[row], -1)
+            torch.testing.assert_close(
+                entropy[row, p:n], -(lp.exp() * lp).sum(-1) * mask[p:], atol=1e-5, rtol=0
+            )
+
+
+def test_a_sequence_sees_nothing_of_its_row_neighbours() -> None:
+    # scrambling one sequence of a packed row changes only that sequence's log-probs
+    model = _packed_model()
+    seqs = [make_seq(i, 3, 6, vocab=64) for i in range(3)]
+    s = seqs[1]
+    scrambled = [seqs[0], TrainSequence(s.prompt_ids.flip(0), s.output_ids.flip(0), s.logprobs, s.versions,
+                                        s.loss_mask, s.advantages, 1), seqs[2]]  # fmt: skip
+    temps = torch.ones(3)
+    with torch.no_grad():
+        before, _ = sample_logprobs(model, collate(seqs), temps, 4)
+        after, _ = sample_logprobs(model, collate(scrambled), temps, 4)
+    assert not torch.allclose(before[1], after[1])
+    torch.testing.assert_close(before[[0, 2]], after[[0, 2]], atol=1e-6, rtol=0)
+
+
+def test_the_learner_forward_needs_the_packed_attention() -> None:
+    with pytest.raises(ValueError, match="streamrl_packed"):
+        sample_logprobs(_tiny_model(), collate([make_seq(0, 2, 3, vocab=64)]), torch.ones(1), 4)
 
 
 def test_empty_micro_batch_runs_and_contributes_nothing() -> None:
     # the filler micro-batch of a rank with fewer sequences: the forward/backward run, the gradient is 0
-    model = _tiny_model().train()
+    model = _packed_model().train()
     mb = collate([])
     assert mb.input_ids.shape == (1, 1) and mb.is_empty and mb.num_tokens == 0 and mb.loss_tokens == 0
-    logits = model(
-        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
-    ).logits
-    logp = gather_logprobs(logits, mb.input_ids)
+    logp, _ = sample_logprobs(model, mb, torch.ones(1), 4)
     loss, _ = compute_policy_loss(logp, mb.logp_behaviour, None, mb.advantages, mb.loss_mask, LossConfig())
     loss.backward()
     assert loss.item() == 0.0
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    assert grads and all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+    assert len(grads) == len(list(model.parameters()))  # the backward reached every parameter
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
 
 
 def test_micro_batch_to_device_keeps_every_field() -> None:

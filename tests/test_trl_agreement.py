@@ -5,8 +5,9 @@ those differences are asserted here as formulas, not skipped.
 TRL's side is a real ``trl.GRPOTrainer`` on the repo's tiny Qwen2. Its advantages come from
 ``_generate_and_score_completions`` (real generation, scored by a reward function that returns rewards this
 test chose), its loss and gradient from ``_compute_loss``. streamrl's side is the learner's own path:
-``learner.advantages`` on the same rewards in the same groups, and ``packing.collate`` -> forward ->
-``gather_logprobs`` -> ``compute_policy_loss`` with the arguments ``learner/step.py`` passes
+``learner.advantages`` on the same rewards in the same groups, and ``packing.collate`` ->
+``step.sample_logprobs`` (packed forward, chunked lm-head loss) -> ``compute_policy_loss`` with the arguments
+``learner/step.py`` passes
 (``logp_proximal = sg(logp_new)``), on a model with the same weights. The old log-probs are shifted away from
 the current ones so that every clip region is populated (checked), which makes a wrong epsilon, a wrong std or
 a wrong aggregation show up as a difference far above the tolerances.
@@ -26,9 +27,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 from learner.advantages import compute_advantages
+from learner.attention import register_packed_attention
 from learner.config import AdvantageConfig, LossConfig
 from learner.losses import compute_policy_loss
-from learner.packing import TrainSequence, collate, gather_logprobs
+from learner.packing import TrainSequence, collate
+from learner.step import sample_logprobs
 from rollout_fleet.model import init_tiny_model
 
 PROMPTS = ["1+2=", "3+4=", "5+6="]
@@ -264,8 +267,8 @@ def our_side(
     temperature: float = 1.0,
     extra: Any = None,
 ) -> Side:
-    """streamrl's loss on the same sequences through collate -> forward -> gather_logprobs, as learner/step.py
-    calls it; ``extra(logp [B, C], mask [B, C])`` adds a term before backward (to state a difference exactly)."""
+    """streamrl's loss on the same sequences through collate -> sample_logprobs, as learner/step.py calls it
+    (the model's attention switched to the packed one for the call, and back); ``extra(logp [B, C], mask [B, C])`` adds a term before backward (to state a difference exactly)."""
     seqs = []
     for i, n in enumerate(batch.lengths.tolist()):
         seqs.append(
@@ -283,10 +286,12 @@ def our_side(
     p = batch.prompt_ids.shape[1]
     assert mb.input_ids.shape == (len(seqs), p + MAX_LEN)  # completion t of row i sits at column p + t
     model.zero_grad(set_to_none=True)
-    logits = model(
-        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
-    ).logits
-    logp = gather_logprobs(logits, mb.input_ids, temperature)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(register_packed_attention())
+    try:
+        logp, _ = sample_logprobs(model, mb, torch.full((len(seqs),), temperature), chunk_tokens=5)
+    finally:
+        model.set_attn_implementation(previous)
     ref = torch.cat([torch.zeros_like(batch.prompt_ids, dtype=logp.dtype), given.ref], dim=1)
     loss, _ = compute_policy_loss(
         logp,
