@@ -27,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from benchmarks.common import format_table, write_result
-from rollout_fleet.engine.runner import ModelRunner
+from rollout_fleet.engine.runner import ModelRunner, PrefillChunk
 from rollout_fleet.model import init_tiny_model
 
 TARGETS = {"decode_speedup": (">=", 1.0)}
@@ -39,29 +39,35 @@ CONTEXT = 64  # KV length each row decodes at: about a GRPO prompt plus half of 
 
 
 def time_decode(runner: ModelRunner, batch: int, steps: int) -> tuple[float, torch.Tensor]:
-    """Fill ``batch`` rows with the same prompts, then time ``steps`` decode steps; (ms per step, logits)."""
+    """Fill ``batch`` sequences' KV blocks with the same prompts, then time ``steps`` decode steps;
+    (ms per step, logits)."""
     gen = torch.Generator().manual_seed(batch)
     seqs = [torch.randint(5, 90, (CONTEXT,), generator=gen).tolist() for _ in range(batch)]
-    runner.prefill(list(range(batch)), seqs, [[CONTEXT - 1]] * batch)
+    blocks = runner.cache.allocator.blocks_for(CONTEXT + 1)
+    tables = [runner.cache.allocate(blocks) or [] for _ in range(batch)]
+    runner.prefill([PrefillChunk(t, s, 0, CONTEXT, [CONTEXT - 1]) for t, s in zip(tables, seqs, strict=True)])
     tokens = torch.randint(5, 90, (batch,), generator=gen)
     positions = torch.full((batch,), CONTEXT, dtype=torch.long) - torch.arange(batch) % 7  # ragged lengths
-    logits = runner.decode(tokens, positions)  # warm-up, and the output compared across the two
+    logits = runner.decode(tokens, positions, tables)  # warm-up, and the output compared across the two
     started = time.perf_counter()
     for _ in range(steps):
-        runner.decode(tokens, positions)
-    return (time.perf_counter() - started) / steps * 1e3, logits
+        runner.decode(tokens, positions, tables)
+    elapsed = (time.perf_counter() - started) / steps * 1e3
+    for table in tables:
+        runner.cache.allocator.release(table)
+    return elapsed, logits
 
 
 def run(mode: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     cfg = MODES[mode]
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(init_tiny_model(), torch_dtype=torch.float32).eval()
-    max_rows = max(cfg["batches"])
+    pool = max(cfg["batches"]) * 2 * CONTEXT  # KV tokens: every row's blocks fit
     runners = {
         "separate": ModelRunner(
-            copy.deepcopy(model), max_rows=max_rows, max_context_len=2 * CONTEXT, fuse_projections=False
+            copy.deepcopy(model), max_context_len=2 * CONTEXT, max_total_tokens=pool, fuse_projections=False
         ),
-        "fused": ModelRunner(model, max_rows=max_rows, max_context_len=2 * CONTEXT),
+        "fused": ModelRunner(model, max_context_len=2 * CONTEXT, max_total_tokens=pool),
     }
     ms: dict[str, dict[int, list[float]]] = {name: {b: [] for b in cfg["batches"]} for name in runners}
     diff: dict[int, float] = {}

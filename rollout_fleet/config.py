@@ -34,13 +34,23 @@ class EngineConfig(Section):
         "auto", description="Weights and KV dtype: auto is float32 on CPU, the checkpoint's dtype on CUDA."
     )
     max_running_requests: int = Field(
-        64, ge=1, description="Requests decoded together at most (KV cache rows)."
+        64, ge=1, description="Requests prefilling or decoding together at most."
     )
     max_context_len: int | None = Field(
         None, ge=2, description="Prompt + output token limit; unset is the model's max_position_embeddings."
     )
     max_prefill_tokens: int = Field(
-        8192, ge=1, description="Padded token budget of one batched prefill (a longer prompt runs alone)."
+        8192, ge=1, description="Padded token budget of one batched prefill (sequences x longest chunk)."
+    )
+    max_total_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="KV cache capacity in tokens (the engine's memory bound); unset: max_running_requests x "
+        "context length, at most half the free memory.",
+    )
+    kv_block_size: int = Field(16, ge=1, description="Tokens per KV cache block (SGLang's page size).")
+    chunked_prefill_size: int = Field(
+        2048, ge=1, description="Most prompt tokens one prefill pass computes; longer prompts run in chunks."
     )
     seed: int | None = Field(
         None,

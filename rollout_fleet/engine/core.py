@@ -14,6 +14,7 @@ on the scheduler thread between steps (``call_in_scheduler``), so a weight load 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -65,6 +66,30 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
     return ids
 
 
+def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """KV cache bytes one token takes: keys and values of every layer."""
+    config = model.config
+    layer = model.model.layers[0].self_attn
+    per_layer = 2 * int(config.num_key_value_heads) * int(layer.head_dim)
+    return per_layer * len(model.model.layers) * torch.empty((), dtype=dtype).element_size()
+
+
+def default_total_tokens(
+    max_running: int, context_len: int, bytes_per_token: int, device: torch.device
+) -> int:
+    """Unset ``engine.max_total_tokens``: room for every running request at full context, capped at half the
+    memory free now (on CPU the pool's pages are committed only as the KV grows, so the cap is what matters)."""
+    wanted = max_running * context_len
+    try:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # no such sysconf name on this platform: no cap
+        return wanted
+    return max(1024, min(wanted, free // 2 // bytes_per_token))
+
+
 class Engine:
     """A served model: load it, start the scheduler, submit requests, update weights."""
 
@@ -77,6 +102,9 @@ class Engine:
         max_running_requests: int = 64,
         max_context_len: int | None = None,
         max_prefill_tokens: int = 8192,
+        max_total_tokens: int | None = None,
+        kv_block_size: int = 16,
+        chunked_prefill_size: int = 2048,
         seed: int = 0,
         step_log_size: int = 4096,
         weight_version: str = "0",
@@ -98,22 +126,42 @@ class Engine:
         self.context_len = min(max_context_len or model_limit, model_limit)
         self.vocab_size = int(model.config.vocab_size)
         self.eos_token_ids = _eos_ids(model, self.tokenizer)
-        self.runner = ModelRunner(model, max_rows=max_running_requests, max_context_len=self.context_len)
+        total = max_total_tokens or default_total_tokens(
+            max_running_requests, self.context_len, kv_bytes_per_token(model, self.dtype), self.device
+        )
+        self.runner = ModelRunner(
+            model, max_context_len=self.context_len, max_total_tokens=total, block_size=kv_block_size
+        )
+        self.max_total_tokens = self.runner.cache.allocator.capacity_tokens
+        if self.max_total_tokens < self.context_len:
+            # As SGLang's max_req_len: a request is limited to what the KV cache can hold.
+            log.warning(
+                "engine.max_total_tokens = %d holds fewer tokens than the context length %d: requests are "
+                "limited to %d tokens",
+                self.max_total_tokens,
+                self.context_len,
+                self.max_total_tokens,
+            )
+            self.context_len = self.max_total_tokens
         self.scheduler = Scheduler(
             self.runner,
             eos_token_ids=self.eos_token_ids,
             decode_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
             max_running_requests=max_running_requests,
             max_prefill_tokens=max_prefill_tokens,
+            chunked_prefill_size=chunked_prefill_size,
             seed=seed,
             step_log_size=step_log_size,
             weight_version=weight_version,
         )
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill_size = chunked_prefill_size
+        self.kv_block_size = kv_block_size
         self._param_by_name = dict(self.model.state_dict(keep_vars=True))
         log.info(
-            "loaded %s (%s, %.2fM parameters) on %s as %s in %.1f s; context %d tokens",
+            "loaded %s (%s, %.2fM parameters) on %s as %s in %.1f s; context %d tokens; KV cache %d tokens "
+            "in blocks of %d (%.0f MiB at most)",
             path,
             type(model).__name__,
             sum(p.numel() for p in model.parameters()) / 1e6,
@@ -121,6 +169,9 @@ class Engine:
             self.dtype,
             time.monotonic() - started,
             self.context_len,
+            self.max_total_tokens,
+            kv_block_size,
+            self.max_total_tokens * self.runner.cache.bytes_per_token() / 2**20,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------------------
@@ -141,6 +192,10 @@ class Engine:
 
     def submit(self, item: GenItem, sink: Sink) -> None:
         self.scheduler.submit(item, sink)
+
+    def submit_batch(self, items: list[tuple[GenItem, Sink]]) -> None:
+        """Queue the items of one ``/generate`` call together (see ``Scheduler.submit_batch``)."""
+        self.scheduler.submit_batch(items)
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         self.scheduler.abort(rid, abort_all)
@@ -187,10 +242,13 @@ class Engine:
         def load() -> int:
             for name, tensor in tensors:
                 self._check_tensor(name, tensor)
-            with torch.no_grad():
-                for name, tensor in tensors:
-                    param = self._param_by_name[name]
-                    param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+            try:
+                with torch.no_grad():
+                    for name, tensor in tensors:
+                        param = self._param_by_name[name]
+                        param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+            finally:  # even a partial copy makes the cached KV stale
+                self.scheduler.invalidate_prefix_cache()
             if weight_version is not None:
                 self.scheduler.set_weight_version(weight_version)
             return len(tensors)

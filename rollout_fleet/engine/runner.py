@@ -1,15 +1,20 @@
-"""Batched prefill and decode of a Hugging Face decoder-only model over a row-slotted KV cache.
+"""Batched prefill and decode of a Hugging Face decoder-only model over a paged KV cache.
 
 Why not HF's cache classes: continuous batching needs sequences that join and leave a running batch between
-steps, each with its own length. HF's caches assume one padded batch that lives and dies together. This module
-runs the HF model's own modules (norms, output and down projections, rotary tables) in its own attention loop,
-so the weights stay the HF model's parameters (``load_weights`` is a copy by HF name) and a teacher-forced
-forward of the same HF model gives the same log-probs. The q/k/v and gate/up projections run as one matrix each
-(:func:`fuse_layer`); their HF parameters become views of those matrices, so a copy by name updates them.
+steps, each with its own length, and memory that is shared between sequences and bounded. HF's caches assume
+one padded batch that lives and dies together. This module runs the HF model's own modules (norms, output and
+down projections, rotary tables) in its own attention loop, so the weights stay the HF model's parameters
+(``load_weights`` is a copy by HF name) and a teacher-forced forward of the same HF model gives the same
+log-probs. The q/k/v and gate/up projections run as one matrix each (:func:`fuse_layer`); their HF parameters
+become views of those matrices, so a copy by name updates them.
 
-The KV cache holds one row per running sequence: per layer ``[rows, kv_heads, length, head_dim]``. Rows stay
-compact (the running batch is rows ``0..B-1``; a freed row is filled by moving the last one), so a decode step
-attends over a view of the first B rows with a length mask, and nothing is gathered or re-laid-out per step.
+The KV lives in :class:`~rollout_fleet.engine.kv_cache.PagedKVCache` blocks; callers (the scheduler) own the
+block tables and pass them in. A forward pass first writes each new token's K/V into its sequence's blocks.
+Prefill then gathers each sequence's blocks into one contiguous ``[N, kv_heads, length, head_dim]`` tensor per
+layer and attends with a causal length mask; it computes any range ``[start, end)`` of a sequence whose first
+``start`` tokens are already in its blocks (a prefix-cache hit, or the earlier chunks of a chunked prefill).
+Decode attends block by block over the pool in place, or gathers when the batch's blocks are spread too thin
+(:mod:`rollout_fleet.engine.attention`).
 """
 
 from __future__ import annotations
@@ -20,67 +25,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rollout_fleet.engine.attention import attend_block_range, attend_gathered, plan_block_range
+from rollout_fleet.engine.kv_cache import PagedKVCache
+
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
 
 
 class UnsupportedModelError(ValueError):
     """The model's architecture is not one the built-in engine's forward implements."""
-
-
-class KVCache:
-    """Key/value buffers per layer, ``[rows, kv_heads, length, head_dim]``, grown by doubling as needed."""
-
-    def __init__(
-        self,
-        num_layers: int,
-        kv_heads: int,
-        head_dim: int,
-        *,
-        max_rows: int,
-        max_len: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.max_rows, self.max_len = max_rows, max_len
-        self.dtype, self.device = dtype, device
-        self.reset()
-
-    def reset(self) -> None:
-        """Drop every buffer back to a small allocation (used by flush and after errors)."""
-        self.rows = min(4, self.max_rows)
-        self.length = min(64, self.max_len)
-        self.k = [self._empty(self.rows, self.length) for _ in range(self.num_layers)]
-        self.v = [self._empty(self.rows, self.length) for _ in range(self.num_layers)]
-
-    def _empty(self, rows: int, length: int) -> torch.Tensor:
-        return torch.zeros(rows, self.kv_heads, length, self.head_dim, dtype=self.dtype, device=self.device)
-
-    def reserve(self, rows: int, length: int) -> None:
-        """Make room for ``rows`` sequences of ``length`` tokens, keeping the contents."""
-        if rows > self.max_rows or length > self.max_len:
-            raise ValueError(
-                f"KV cache request {rows} rows x {length} tokens exceeds {self.max_rows} x {self.max_len}"
-            )
-        if rows <= self.rows and length <= self.length:
-            return
-        new_rows = min(self.max_rows, max(rows, 2 * self.rows if rows > self.rows else self.rows))
-        new_len = min(self.max_len, max(length, 2 * self.length if length > self.length else self.length))
-        for store in (self.k, self.v):
-            for i, old in enumerate(store):
-                grown = self._empty(new_rows, new_len)
-                grown[: self.rows, :, : self.length].copy_(old)
-                store[i] = grown
-        self.rows, self.length = new_rows, new_len
-
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` positions of row ``src`` into row ``dst`` (compaction)."""
-        for store in (self.k, self.v):
-            for buf in store:
-                buf[dst, :, :length].copy_(buf[src, :, :length])
-
-    def bytes(self) -> int:
-        return 2 * self.num_layers * self.k[0].numel() * self.k[0].element_size()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -146,13 +98,39 @@ def check_architecture(model: nn.Module) -> None:
         )
 
 
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One sequence's share of a prefill pass: compute ``tokens[start:end]``, attending to the KV of
+    ``tokens[:start]`` already in ``blocks`` (which cover at least ``end`` positions), and return the logits at
+    ``logit_positions`` (absolute positions in ``[start, end)``)."""
+
+    blocks: Sequence[int]
+    tokens: Sequence[int]
+    start: int
+    end: int
+    logit_positions: Sequence[int]
+
+
 class ModelRunner:
-    """Prefill and decode over the HF model's modules with a :class:`KVCache` (inference only)."""
+    """Prefill and decode over the HF model's modules with a :class:`PagedKVCache` (inference only)."""
 
     def __init__(
-        self, model: nn.Module, *, max_rows: int, max_context_len: int, fuse_projections: bool = True
+        self,
+        model: nn.Module,
+        *,
+        max_context_len: int,
+        max_total_tokens: int,
+        block_size: int = 16,
+        fuse_projections: bool = True,
     ) -> None:
         check_architecture(model)
+        if block_size < 1:
+            raise ValueError(f"engine.kv_block_size must be at least 1, got {block_size}")
+        if max_total_tokens < block_size:
+            raise ValueError(
+                f"engine.max_total_tokens = {max_total_tokens} is smaller than one KV block "
+                f"(engine.kv_block_size = {block_size})"
+            )
         self.model = model
         config = model.config
         first = model.model.layers[0].self_attn
@@ -164,12 +142,13 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.max_context_len = max_context_len
-        self.cache = KVCache(
+        self.block_size = block_size
+        self.cache = PagedKVCache(
             len(model.model.layers),
             self.kv_heads,
             self.head_dim,
-            max_rows=max_rows,
-            max_len=max_context_len,
+            num_blocks=max_total_tokens // block_size + 1,  # + the null block
+            block_size=block_size,
             dtype=self.dtype,
             device=self.device,
         )
@@ -177,7 +156,10 @@ class ModelRunner:
         # None: the HF modules' own projections, one matrix product each (the baseline of
         # benchmarks/engine_decode.py)
         self.fused = [fuse_layer(layer) for layer in model.model.layers] if fuse_projections else None
-        self.prefill_tokens_computed = 0  # tokens run through the model by prefill (copies excepted)
+        self.prefill_tokens_computed = 0  # tokens run through the model by prefill
+        # "auto": read the KV in place where the batch's block range is dense (attention.py), else gather;
+        # "gathered" / "block_range" force one way (tests, benchmarks)
+        self.decode_attention: str = "auto"
 
     @torch.inference_mode()
     def _build_rope_table(self) -> None:
@@ -237,92 +219,91 @@ class ModelRunner:
         gate, up = nn.functional.linear(h, gate_up).chunk(2, dim=-1)
         return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
+    def _slots(self, blocks: Sequence[int], start: int, end: int) -> tuple[list[int], list[int]]:
+        """(block, offset) of positions ``start..end-1`` of a sequence with block table ``blocks``."""
+        bs = self.block_size
+        return [blocks[p // bs] for p in range(start, end)], [p % bs for p in range(start, end)]
+
     @torch.inference_mode()
-    def prefill(
-        self, rows: Sequence[int], seqs: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]
-    ) -> list[torch.Tensor]:
-        """Run N sequences (right-padded into one batch), write their KV into ``rows``, and return float32
-        logits at the requested positions of each sequence: a list of N tensors [len(positions[i]), vocab].
-
-        Identical sequences (the samples of a group arrive with the same prompt) are computed once and their
-        KV copied to the other rows: the results are the same, the prefill work is one prompt's."""
-        copies: dict[tuple[int, ...], list[int]] = {}
-        for i, seq in enumerate(seqs):
-            copies.setdefault(tuple(seq), []).append(i)
-        if len(copies) == len(seqs):
-            return self._prefill(rows, seqs, positions)
-        members = list(copies.values())
-        wanted = [sorted({p for i in m for p in positions[i]}) for m in members]
-        logits = self._prefill([rows[m[0]] for m in members], [seqs[m[0]] for m in members], wanted)
-        self.cache.reserve(max(rows) + 1, max(len(s) for s in seqs))
-        out: list[torch.Tensor] = [logits[0]] * len(seqs)
-        for m, pos, lg in zip(members, wanted, logits, strict=True):
-            where = {p: k for k, p in enumerate(pos)}
-            for i in m:
-                if i != m[0]:
-                    self.cache.move_row(rows[m[0]], rows[i], len(seqs[i]))
-                out[i] = lg[[where[p] for p in positions[i]]]
-        return out
-
-    def _prefill(
-        self, rows: Sequence[int], seqs: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]
-    ) -> list[torch.Tensor]:
-        n, t = len(seqs), max(len(s) for s in seqs)
-        self.cache.reserve(max(rows) + 1, t)
-        self.prefill_tokens_computed += sum(len(s) for s in seqs)
+    def prefill(self, chunks: Sequence[PrefillChunk]) -> list[torch.Tensor]:
+        """Run N chunks (right-padded into one batch), write their KV into their blocks, and return float32
+        logits at each chunk's ``logit_positions``: a list of N tensors ``[len(logit_positions), vocab]``."""
+        n = len(chunks)
+        lens = [c.end - c.start for c in chunks]
+        t = max(lens)
+        self.prefill_tokens_computed += sum(lens)
         ids = torch.zeros(n, t, dtype=torch.long, device=self.device)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        lens = torch.tensor([len(s) for s in seqs], device=self.device)
-        ar = torch.arange(t, device=self.device)
-        # Causal, and no query attends to padding keys; padded queries' outputs are never read.
-        mask = (ar.unsqueeze(0) <= ar.unsqueeze(1)).unsqueeze(0) & (
-            ar.unsqueeze(0) < lens.unsqueeze(1)
-        ).unsqueeze(1)
-        mask = mask.unsqueeze(1)  # [N, 1, T, T]
-        cos, sin = self.cos[:t].view(1, 1, t, -1), self.sin[:t].view(1, 1, t, -1)
-        row_index = torch.tensor(list(rows), dtype=torch.long, device=self.device)
+        pos = torch.empty(n, t, dtype=torch.long, device=self.device)
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        for i, c in enumerate(chunks):
+            ids[i, : lens[i]] = torch.tensor(c.tokens[c.start : c.end], dtype=torch.long)
+            pos[i] = torch.arange(c.start, c.start + t).clamp_(max=c.end - 1)  # padding repeats the last one
+            blocks, offsets = self._slots(c.blocks, c.start, c.end)
+            slot_blocks += blocks
+            slot_offsets += offsets
+        long = {"dtype": torch.long, "device": self.device}  # explicit: an empty list would make floats
+        seq_of = torch.tensor([i for i, m in enumerate(lens) for _ in range(m)], **long)
+        step_of = torch.tensor([j for m in lens for j in range(m)], **long)
+        dest_blocks = torch.tensor(slot_blocks, **long)
+        dest_offsets = torch.tensor(slot_offsets, **long)
+        width = max(self.cache.allocator.blocks_for(c.end) for c in chunks)
+        index = self.cache.gather_index(self.cache.table_tensor([c.blocks for c in chunks], width))
+        ends = torch.tensor([c.end for c in chunks], device=self.device)
+        key_pos = torch.arange(width * self.block_size, device=self.device)
+        # Causal over the whole sequence (cached prefix included); padded queries' outputs are never read.
+        mask = (key_pos.view(1, 1, -1) <= pos.unsqueeze(2)) & (key_pos.view(1, 1, -1) < ends.view(-1, 1, 1))
+        mask = mask.unsqueeze(1)  # [N, 1, T, keys]
+        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [N, 1, T, D]
         x = self.model.model.embed_tokens(ids)
         for li, layer in enumerate(self.model.model.layers):
             q, k, v = self._project(li, self._norm(layer.input_layernorm, x), cos, sin)
-            self.cache.k[li][row_index, :, :t] = k
-            self.cache.v[li][row_index, :, :t] = v
+            self.cache.write(li, dest_blocks, dest_offsets, k[seq_of, :, step_of], v[seq_of, :, step_of])
+            keys, values = self.cache.gather(li, index, n)
             o = nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.groups > 1
+                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.groups > 1
             )
             x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(n, t, -1))
             x = self._mlp_block(li, x)
-        seq_index = torch.tensor([i for i, ps in enumerate(positions) for _ in ps], device=self.device)
-        pos_index = torch.tensor([p for ps in positions for p in ps], device=self.device)
-        hidden = self._norm(self.model.model.norm, x[seq_index, pos_index])
+        rows = torch.tensor([i for i, c in enumerate(chunks) for _ in c.logit_positions], **long)
+        cols = torch.tensor([p - c.start for c in chunks for p in c.logit_positions], **long)
+        hidden = self._norm(self.model.model.norm, x[rows, cols])
         logits = self.model.lm_head(hidden).float()
-        return list(torch.split(logits, [len(ps) for ps in positions]))
+        return list(torch.split(logits, [len(c.logit_positions) for c in chunks]))
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One decode step for rows 0..B-1: ``tokens`` [B] at ``positions`` [B] (= their KV lengths).
+    def decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, tables: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """One decode step for B sequences: ``tokens`` [B] at ``positions`` [B] (= their KV lengths), with
+        block tables ``tables`` that already hold a slot for each new token.
 
         Writes each token's KV at its position and returns float32 logits [B, vocab] for the next token."""
         b = tokens.shape[0]
-        length = int(positions.max()) + 1
-        self.cache.reserve(b, length)
-        rows = torch.arange(b, device=self.device)
+        bs = self.block_size
+        width = int(positions.max()) // bs + 1
+        table = self.cache.table_tensor(tables, width)
+        plan = plan_block_range(table, positions, bs) if self.decode_attention != "gathered" else None
+        if self.decode_attention == "block_range" and plan is None:
+            raise ValueError("decode_attention = 'block_range' but this batch has no block-range plan")
+        index = self.cache.gather_index(table) if plan is None else None
+        dest_blocks = table.gather(1, (positions // bs).unsqueeze(1)).squeeze(1)
+        dest_offsets = positions % bs
         cos = self.cos[positions].view(b, 1, 1, -1)
         sin = self.sin[positions].view(b, 1, 1, -1)
-        keep = torch.arange(length, device=self.device).unsqueeze(0) <= positions.unsqueeze(1)
-        bias = torch.zeros(b, length, dtype=torch.float32, device=self.device)
-        bias = bias.masked_fill_(~keep, float("-inf")).view(b, 1, 1, length)
+        keep = torch.arange(width * bs, device=self.device).unsqueeze(0) <= positions.unsqueeze(1)
+        bias = torch.zeros(b, width * bs, dtype=torch.float32, device=self.device)
+        bias = bias.masked_fill_(~keep, float("-inf")).view(b, 1, 1, -1)
         x = self.model.model.embed_tokens(tokens).unsqueeze(1)  # [B, 1, hidden]
         for li, layer in enumerate(self.model.model.layers):
             q, k, v = self._project(li, self._norm(layer.input_layernorm, x), cos, sin)
-            kc, vc = self.cache.k[li], self.cache.v[li]
-            kc[rows, :, positions] = k[:, :, 0]
-            vc[rows, :, positions] = v[:, :, 0]
-            keys, values = kc[:b, :, :length], vc[:b, :, :length]  # views, no copy
+            self.cache.write(li, dest_blocks, dest_offsets, k[:, :, 0], v[:, :, 0])
             qg = q.reshape(b, self.kv_heads, self.groups, self.head_dim)
-            scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scaling + bias
-            probs = torch.softmax(scores, dim=-1).to(self.dtype)
-            o = torch.matmul(probs, values).reshape(b, 1, self.num_heads * self.head_dim)
-            x = x + layer.self_attn.o_proj(o)
+            if plan is not None:
+                o = attend_block_range(qg, self.cache.k[li], self.cache.v[li], plan, bias, self.scaling)
+            else:
+                keys, values = self.cache.gather(li, index, b)  # [B, kv_heads, width * bs, D]
+                o = attend_gathered(qg, keys, values, bias, self.scaling)
+            x = x + layer.self_attn.o_proj(o.reshape(b, 1, self.num_heads * self.head_dim))
             x = self._mlp_block(li, x)
         return self.model.lm_head(self._norm(self.model.model.norm, x[:, 0])).float()

@@ -296,9 +296,8 @@ class EngineServer:
                 return await self._stream_error(request, str(exc))
             return error_response(str(exc))
         queue: asyncio.Queue = asyncio.Queue()
-        for position, item in enumerate(call.items):
-            self.live_rids.add(item.rid)
-            self.engine.submit(item, self._sink(queue, position))
+        self.live_rids.update(item.rid for item in call.items)
+        self.engine.submit_batch([(item, self._sink(queue, i)) for i, item in enumerate(call.items)])
         try:
             if call.stream:
                 return await self._stream(request, call, queue)
@@ -424,7 +423,9 @@ class EngineServer:
                 "device": str(engine.device),
                 "dtype": str(engine.dtype).removeprefix("torch."),
                 "weight_version": engine.weight_version,
-                "max_total_num_tokens": engine.max_running_requests * engine.context_len,
+                "max_total_num_tokens": engine.max_total_tokens,
+                "chunked_prefill_size": engine.chunked_prefill_size,
+                "page_size": engine.kv_block_size,
                 "max_req_input_len": engine.context_len - 1,
                 "internal_states": [
                     {**engine.stats(), "paused": self.is_paused, "pause_mode": self.pause_mode}
