@@ -50,6 +50,12 @@ class TinyModelSpec:
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
+# The long-output task's model (rollout_fleet.tasks.long_multiplication): the default shape with a context of
+# 20,480 positions, room for a 16,384-token output after a prompt of up to 4,096. Rotary embeddings have no
+# weights, so its initial weights equal the default model's; its fingerprint (and cache directory) differ.
+LONG_CONTEXT_SPEC = TinyModelSpec(max_position_embeddings=20480)
+
+
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer: special tokens first, then one id per printable character."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}

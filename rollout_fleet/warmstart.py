@@ -325,12 +325,23 @@ def _build(
     staging.rename(path)
 
 
+def warm_model_for_task(task: str) -> Path:
+    """The cached warm-started model for a task (what ``streamrl up`` serves when no model is given): the
+    long-context one for ``long_multiplication``, the arithmetic one for every other task."""
+    if task == "long_multiplication":
+        from rollout_fleet.long_warmstart import init_long_warm_model
+
+        return init_long_warm_model()
+    return init_warm_model()
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m rollout_fleet.warmstart``: build the warm-started model and print its path and accuracy."""
     parser = argparse.ArgumentParser(
         prog="python -m rollout_fleet.warmstart",
-        description="Supervised warm-start of the tiny Qwen2 model on the arithmetic task (cached: a second "
-        "run with the same options returns the same directory at once).",
+        description="Supervised warm-start of the tiny Qwen2 model on the arithmetic task, or with --task "
+        "long_multiplication of its long-context variant on the long-output task (cached: a second run with the "
+        "same options returns the same directory at once).",
     )
     parser.add_argument("--out", type=Path, default=None, help="model directory (default: under the cache)")
     parser.add_argument(
@@ -350,16 +361,35 @@ def main(argv: list[str] | None = None) -> int:
         help=f"stop at this validation greedy accuracy (default {WarmStartRecipe.target_accuracy})",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument(
+        "--task",
+        choices=("arithmetic", "long_multiplication"),
+        default="arithmetic",
+        help="task to warm-start on (default arithmetic); long_multiplication builds the long-context model "
+        "(--target is then the validation format rate; --lr is not taken)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     try:
-        path = init_warm_model(args.out, steps=args.steps, seed=args.seed, lr=args.lr, target=args.target)
+        path = _init_for(args)
     except ValueError as e:
         parser.error(str(e))
     record = json.loads((path / MARKER).read_text())
-    summary = {key: record.get(key) for key in ("steps", "reached_target", "eval_after")}
+    keys = ("steps", "reached_target", "eval_after" if args.task == "arithmetic" else "heldout")
+    summary = {key: record.get(key) for key in keys}
     print(json.dumps({"path": str(path), **summary}))
     return 0
+
+
+def _init_for(args: argparse.Namespace) -> Path:
+    """The command line's model: the arithmetic warm-start, or the long task's."""
+    if args.task == "arithmetic":
+        return init_warm_model(args.out, steps=args.steps, seed=args.seed, lr=args.lr, target=args.target)
+    if args.lr is not None:
+        raise ValueError("--lr is not an option of the long_multiplication warm-start")
+    from rollout_fleet.long_warmstart import init_long_warm_model
+
+    return init_long_warm_model(args.out, steps=args.steps, seed=args.seed, target=args.target)
 
 
 if __name__ == "__main__":

@@ -154,7 +154,8 @@ class StatusReader:
 
     def learner_aggregates(self) -> dict[str, float]:
         """Sums over every learner step of the run: time waiting for data (generation, when synchronous), time
-        training, and the token-weighted mean staleness."""
+        training, the token-weighted mean staleness, the mean output length of the samples taken and how many of
+        them were cut at the output budget."""
         try:
             rows = self.client.xrange(metrics_key(self.config.shared, "learner")) if self.client else []
         except (redis.RedisError, OSError):
@@ -164,10 +165,16 @@ class StatusReader:
         step = sum(p.get("step_seconds", 0.0) for p in points)
         tokens = sum(p.get("staleness/tokens", 0.0) for p in points)
         stale = sum(p.get("staleness/mean", 0.0) * p.get("staleness/tokens", 0.0) for p in points)
+        samples = sum(p.get("samples", 0.0) for p in points)
+        outputs = sum(p.get("output_tokens", 0.0) for p in points)
+        truncated = sum(p.get("truncated_fraction", 0.0) * p.get("samples", 0.0) for p in points)
         return {
             "learner_wait_seconds": wait,
             "learner_train_seconds": step - wait,
             "mean_staleness": stale / tokens if tokens else 0.0,
+            # output lengths of the samples the steps took (long-output tasks: how long the rollouts ran)
+            "mean_output_tokens": outputs / samples if samples else 0.0,
+            "truncated_samples": round(truncated),
         }
 
     def close(self) -> None:

@@ -75,14 +75,14 @@ def _argv(role: str, config_path: Path, *extra: str) -> list[str]:
 
 
 def prepare(config: StreamRLConfig) -> StreamRLConfig:
-    """Fill in what ``up`` decides: the model (the cached warm-started tiny model by default), free ports,
+    """Fill in what ``up`` decides: the model (the task's cached warm-started tiny model by default), free ports,
     the engine URLs every role uses. Returns the resolved config, also written to RUN_DIR/config.toml."""
     cfg = config.model_copy(deep=True)
     if cfg.shared.model_path is None:
-        from rollout_fleet.warmstart import init_warm_model
+        from rollout_fleet.warmstart import warm_model_for_task
 
         print("streamrl up: preparing the warm-started tiny model (cached after the first run)", flush=True)
-        cfg.shared.model_path = init_warm_model()
+        cfg.shared.model_path = warm_model_for_task(cfg.rollout.task.name)
     ports = [free_port() for _ in range(cfg.engine.count)]
     urls = [f"http://{cfg.engine.host}:{p}" for p in ports]
     cfg.rollout.engine_urls = urls
@@ -321,6 +321,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  held-out accuracy (sampled): {pct(s['eval_sampled_before'])} -> {pct(s['eval_sampled_after'])}",
         f"  steps: {s.get('steps')}   policy version: {s.get('policy_version')}",
         f"  samples trained: {s.get('samples_trained')}   dropped: {s.get('samples_dropped')} {dropped}",
+        f"  output tokens per sample: {s.get('mean_output_tokens') or 0:.0f} mean, "
+        f"{s.get('truncated_samples') or 0} cut at the output budget",
         _audit_line(s.get("audit")),
         f"  wall time: {s['wall_seconds']:.0f} s",
         f"  run directory: {s['run_dir']}",

@@ -71,6 +71,13 @@ def test_arithmetic_verifier(completion: str, correct: int, fmt: int) -> None:
     assert result.reward == float(correct) and result.status == "ok"
 
 
+def test_an_answer_of_thousands_of_digits_is_wrong_not_an_error() -> None:
+    """int() refuses strings of more than 4,300 digits; a long output can end in that many."""
+    result = score_completion("125", "7+8+0=5c1;5+6+1=2c1;#" + "1" * 5000)
+    assert result.status == "ok" and result.components == {"correct": 0.0, "format": 1.0}
+    assert score_completion("125", "#000125").components["correct"] == 1.0  # leading zeros: the same number
+
+
 def test_format_weight_adds_a_small_format_term() -> None:
     task = get_task("arithmetic", format_weight=0.1)
     prompt = task.make_prompt(0)

@@ -4,8 +4,9 @@
     prompt = task.make_prompt(17, "train")       # Prompt(prompt_id, text, answer, split, index, metadata)
     result = task.score(prompt, completion_text)  # RewardResult(reward, components, status, error)
 
-Built in: ``arithmetic`` (the tiny model's task), ``gsm8k``, ``countdown`` and ``dataset`` (prompt and answer
-fields, exact match). A custom task is a class or factory given by import path, ``"package.module:Name"``.
+Built in: ``arithmetic`` (the tiny model's task), ``long_multiplication`` (its long-output task: scratchpads of
+hundreds to ~16,000 tokens), ``gsm8k``, ``countdown`` and ``dataset`` (prompt and answer fields, exact match).
+A custom task is a class or factory given by import path, ``"package.module:Name"``.
 Importing this package imports neither torch nor transformers (reward workers import it).
 """
 
@@ -48,6 +49,7 @@ _REGISTRY: dict[str, str | Callable[..., Task]] = {
     "arithmetic": "rollout_fleet.tasks.arithmetic:ArithmeticTask",
     "gsm8k": "rollout_fleet.tasks.gsm8k:GSM8KTask",
     "countdown": "rollout_fleet.tasks.countdown:CountdownTask",
+    "long_multiplication": "rollout_fleet.tasks.long_multiplication:LongMultiplicationTask",
     "dataset": "rollout_fleet.tasks.dataset:DatasetTask",
 }
 

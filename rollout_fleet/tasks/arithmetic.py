@@ -80,7 +80,9 @@ def score_completion(answer: str, completion: str, format_weight: float = 0.0) -
     """correct: the text after the last ``#`` is exactly the decimal sum (so the model must stop after it);
     format: the whole completion is one or more well-formed steps followed by ``#<digits>``."""
     got = final_answer(completion)
-    correct = 1.0 if got is not None and got.isascii() and got.isdigit() and int(got) == int(answer) else 0.0
+    # compared as digit strings: int() refuses more than 4,300 digits, and a long output can hold that many
+    digits = got is not None and got.isascii() and got.isdigit()
+    correct = 1.0 if digits and (got.lstrip("0") or "0") == (answer.lstrip("0") or "0") else 0.0
     fmt = 1.0 if FORMAT_RE.fullmatch(strip_special(completion)) else 0.0
     return weighted_reward(correct, fmt, format_weight)
 

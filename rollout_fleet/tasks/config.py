@@ -14,17 +14,35 @@ class TaskConfig(Section):
     """The task: prompts plus verifier. Options left unset (null) take the task's own default."""
 
     name: str = Field(
-        "arithmetic", description="Task: arithmetic, gsm8k, countdown, dataset, or package.module:Class."
+        "arithmetic",
+        description="Task: arithmetic, long_multiplication, gsm8k, countdown, dataset, or package.module:Class.",
     )
-    seed: int | None = Field(None, ge=0, description="Seed of generated prompts (arithmetic, countdown).")
+    seed: int | None = Field(
+        None, ge=0, description="Seed of generated prompts (arithmetic, long_multiplication, countdown)."
+    )
     train_size: int | None = Field(
-        None, ge=1, description="Generated train prompts per epoch (arithmetic, countdown)."
+        None,
+        ge=1,
+        description="Generated train prompts per epoch (arithmetic, long_multiplication, countdown).",
     )
     heldout_size: int | None = Field(
-        None, ge=1, description="Generated held-out prompts (arithmetic, countdown)."
+        None, ge=1, description="Generated held-out prompts (arithmetic, long_multiplication, countdown)."
     )
     format_weight: float | None = Field(
         None, ge=0, description="reward = correct + format_weight * format (default 0)."
+    )
+    step_weight: float | None = Field(
+        None,
+        ge=0,
+        description="long_multiplication: reward adds step_weight * the fraction of right steps (0.5).",
+    )
+    min_digits: int | None = Field(
+        None, ge=1, description="long_multiplication: fewest digits of each factor (default 1)."
+    )
+    max_digits: int | None = Field(
+        None,
+        ge=1,
+        description="long_multiplication: most digits of each factor (default 27: outputs <= 16k).",
     )
     dataset: str | None = Field(
         None, description="Train prompts: a .jsonl/.json/.parquet/.arrow file or save_to_disk folder."
