@@ -1,6 +1,6 @@
 """Memory and speed of long sequences: the learner's loss, chunked against full logits.
 
-    python -m benchmarks.long_context --quick --out FILE   # 2,048, 4,096 and 8,192 tokens
+    python -m benchmarks.long_context --quick --out FILE   # loss at 2,048, 4,096 and 8,192 tokens; smaller mixes
     python -m benchmarks.long_context --out FILE           # and 32,768 (chunked only: full cannot fit)
 
 The loss of one sequence of N tokens on a model shaped like a real one where it matters here: a vocabulary of
@@ -12,8 +12,26 @@ then runs one forward + backward of the per-token log-probs (and entropy) at tem
 - ``full``: the reference, ``log_softmax(hidden @ W.T)`` gathered (``[N, V]`` logits, as the learner did).
 
 Reported per length: peak RSS, the RSS the setup already held, their difference (what the loss added), and
-tokens per second of the forward + backward (best of ``--repeats``). ``full`` is skipped where its logits alone
-would not fit in the machine's memory, and the result says so.
+tokens per second of the forward + backward (best of ``--repeats``). ``full`` is skipped where its logits
+(about four ``[N, V]`` float32 copies live, as measured at 2,048 and 4,096 tokens) would not fit in the memory
+available when the benchmark starts, and the result says so.
+
+Three more comparisons, each against its baseline in the same run:
+
+- ``ratio_varlen_vs_padded``: trained tokens/s of one learner step (``learner.step.train_step``, decoupled PPO)
+  on a long-tailed length mix, varlen packed rows (the learner's way) against every sequence right-padded to the
+  longest; the model is Qwen2 with the same vocabulary and hidden size 512, 2 layers, random weights; output
+  lengths are the long-output task's reference lengths (``long_multiplication``), so a few sequences are many
+  times the median. Both ways must agree on the loss before they are timed.
+- ``ratio_prefill_tokens_unshared_vs_shared``: prompt tokens the built-in engine computes for one group of 8
+  samples of one 2,048-token prompt, submitted together as a rollout worker does, with the engine's sharing (a
+  group's samples share the prompt's blocks; the prefix cache) against ``engine.disable_radix_cache``.
+- ``ratio_concurrent_sequences_paged_vs_contiguous``: sequences decoded together by the built-in engine within
+  the same KV memory (``engine.max_total_tokens``), on requests whose output lengths follow the same long-tailed
+  mix, with paged blocks of 16 tokens against contiguous per-request rows (``kv_block_size`` = the context
+  length: each request holds one row of its full context from admission, as engines without paging reserve it).
+  Counted as the mean decode batch over the steps during which requests were waiting for memory, where the
+  layout decides how many run; the mean over all steps is reported beside it.
 """
 
 from __future__ import annotations
@@ -22,6 +40,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -38,6 +57,20 @@ FULL_SIZES = [2048, 4096, 8192, 32768]
 TARGETS = {
     "ratio_peak_memory_full_vs_chunked": (">=", 4.0),
     "ratio_tokens_per_s_chunked_vs_full": (">=", 0.9),
+    "ratio_varlen_vs_padded": (">=", 1.5),
+    "ratio_prefill_tokens_unshared_vs_shared": (">=", 6.0),
+    "ratio_concurrent_sequences_paged_vs_contiguous": (">=", 1.5),
+}
+# varlen vs padded: sequences of the long task's lengths (digits up to max_digits), micro-batch token budget
+VARLEN = {
+    "quick": {"sequences": 16, "max_digits": 12, "budget": 4096, "repeats": 1, "layers": 2},
+    "full": {"sequences": 32, "max_digits": 14, "budget": 8192, "repeats": 2, "layers": 2},
+}
+GROUP_SIZE, SHARED_PROMPT = 8, 2048
+# paged vs contiguous: requests, KV memory (tokens), context (the contiguous row), digits of the length mix
+CONCURRENCY = {
+    "quick": {"requests": 128, "kv_tokens": 4096, "context": 1024, "max_digits": 8},
+    "full": {"requests": 192, "kv_tokens": 8192, "context": 2048, "max_digits": 10},
 }
 
 
@@ -107,11 +140,18 @@ def run_fresh(tokens: int, mode: str, repeats: int) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (what a new process can take without swapping anything out)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def full_fits(tokens: int) -> bool:
     """Whether full logits fit: about four [N, V] float32 copies live at once (logits, log-softmax, softmax
-    for the entropy, and the gradient), with a quarter of the memory left for everything else."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return 4 * tokens * VOCAB * 4 < 0.75 * total
+    for the entropy, and the gradient: 4.0 copies measured at 4,096 tokens), with 1 GiB to spare."""
+    return 4 * tokens * VOCAB * 4 + 2**30 < available_bytes()
 
 
 def ratios(row: dict[str, Any], suffix: str) -> dict[str, float]:
@@ -122,6 +162,186 @@ def ratios(row: dict[str, Any], suffix: str) -> dict[str, float]:
         / chunked["loss_added_mib"],
         f"ratio_tokens_per_s_chunked_vs_full{suffix}": chunked["tokens_per_s"] / full["tokens_per_s"],
     }
+
+
+# -- varlen packed rows against padding --------------------------------------------------------------------
+
+
+def real_shaped_model(layers: int, max_positions: int) -> Any:
+    """Qwen2 with Qwen2.5's vocabulary and hidden size 512 (8 heads of 64, 2 KV heads), random weights, using
+    the learner's packed attention."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from learner.attention import register_packed_attention
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=layers,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=max_positions,
+        tie_word_embeddings=True, attn_implementation=register_packed_attention(),
+    )  # fmt: skip
+    return Qwen2ForCausalLM(config).float()
+
+
+def long_task_lengths(n: int, max_digits: int) -> list[int]:
+    """Output lengths (with EOS) of the first ``n`` train problems of the long-output task."""
+    from rollout_fleet.tasks.long_multiplication import LongMultiplicationTask
+
+    task = LongMultiplicationTask(max_digits=max_digits)
+    return [len(task.reference_completion(task.make_prompt(i))) + 1 for i in range(n)]
+
+
+def long_task_batch(n: int, max_digits: int, vocab: int) -> list[Any]:
+    """Training sequences with the long task's output lengths: prompts of 10-30 random tokens, random output
+    tokens, behaviour log-probs near a uniform policy's, advantages of both signs."""
+    import torch
+
+    from learner.packing import TrainSequence
+
+    gen = torch.Generator().manual_seed(0)
+    seqs = []
+    for i, out in enumerate(long_task_lengths(n, max_digits)):
+        prompt = int(torch.randint(10, 31, (1,), generator=gen))
+        seqs.append(
+            TrainSequence(
+                prompt_ids=torch.randint(1, vocab, (prompt,), generator=gen),
+                output_ids=torch.randint(1, vocab, (out,), generator=gen),
+                logprobs=-11.9 + 0.3 * torch.randn(out, generator=gen),
+                versions=torch.zeros(out, dtype=torch.long),
+                loss_mask=torch.ones(out),
+                advantages=float(torch.randn(1, generator=gen)),
+                index=i,
+            )
+        )
+    return seqs
+
+
+def varlen_vs_padded(mode: str) -> dict[str, Any]:
+    from benchmarks.learner_throughput import compare, packed_micro_batches, padded_micro_batches
+
+    p = VARLEN[mode]
+    seqs = long_task_batch(p["sequences"], p["max_digits"], VOCAB)
+    model = real_shaped_model(p["layers"], max(s.length for s in seqs))
+    ways = {
+        "varlen": packed_micro_batches(seqs, p["budget"]),
+        "padded": padded_micro_batches(seqs, p["budget"]),
+    }
+    result = compare(model, seqs, ways, p["budget"], p["repeats"])
+    result["params"] = {**p, "output_lengths": sorted(s.length - len(s.prompt_ids) for s in seqs)}
+    result["ratio"] = result["tokens_per_s"]["varlen"] / result["tokens_per_s"]["padded"]
+    return result
+
+
+# -- the engine: prompt sharing and paged KV ------------------------------------------------------------------
+
+
+def run_engine(engine: Any, items: list[Any], timeout: float = 1800.0) -> list[Any]:
+    """Submit ``items`` together (as one ``/generate`` of a rollout worker) and wait for every final snapshot."""
+    import threading
+
+    done: dict[str, Any] = {}
+    finished = threading.Event()
+
+    def sink(snapshot: Any) -> None:
+        if snapshot.finished:
+            done[snapshot.rid] = snapshot
+            if len(done) == len(items):
+                finished.set()
+
+    engine.submit_batch([(item, sink) for item in items])
+    if not finished.wait(timeout):
+        raise SystemExit(f"the engine finished {len(done)} of {len(items)} requests in {timeout:.0f} s")
+    return [done[item.rid] for item in items]
+
+
+def gen_item(rid: str, prompt: list[int], max_new_tokens: int, seed: int) -> Any:
+    from rollout_fleet.engine.protocol import GenItem, parse_sampling_params
+
+    params = parse_sampling_params(
+        {"max_new_tokens": max_new_tokens, "ignore_eos": True, "sampling_seed": seed}
+    )
+    return GenItem(rid=rid, input_ids=prompt, params=params, max_new_tokens=max_new_tokens)
+
+
+def prefill_sharing() -> dict[str, Any]:
+    """Prompt tokens computed for one group of 8 samples of one 2,048-token prompt, sharing on and off."""
+    import torch
+
+    from rollout_fleet.engine.core import Engine
+    from rollout_fleet.model import init_tiny_model
+
+    prompt = torch.randint(5, 90, (SHARED_PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
+    out: dict[str, Any] = {"prompt_tokens": SHARED_PROMPT, "group_size": GROUP_SIZE}
+    for name, disable in (("shared", False), ("unshared", True)):
+        engine = Engine(init_tiny_model(), max_running_requests=GROUP_SIZE, disable_radix_cache=disable,
+                        max_total_tokens=GROUP_SIZE * (SHARED_PROMPT + 32), seed=0).start()  # fmt: skip
+        try:
+            items = [gen_item(f"{name}-{k}", prompt, 16, k) for k in range(GROUP_SIZE)]
+            snapshots = run_engine(engine, items)
+            stats = engine.scheduler.stats
+            out[name] = {
+                "prefill_tokens_computed": stats.prefill_tokens_computed,
+                "cached_tokens": [s.cached_tokens for s in snapshots],
+                "output_tokens": sum(len(s.output_ids) for s in snapshots),
+            }
+        finally:
+            engine.shutdown()
+    out["ratio"] = out["unshared"]["prefill_tokens_computed"] / out["shared"]["prefill_tokens_computed"]
+    return out
+
+
+def decode_concurrency(mode: str) -> dict[str, Any]:
+    """Mean decode batch of the built-in engine in the same KV memory, paged blocks against contiguous rows."""
+    import torch
+
+    from rollout_fleet.engine.core import Engine
+    from rollout_fleet.model import LONG_CONTEXT_SPEC, init_tiny_model
+
+    p = CONCURRENCY[mode]
+    gen = torch.Generator().manual_seed(1)
+    lengths = [min(n, p["context"] - 40) for n in long_task_lengths(p["requests"], p["max_digits"])]
+    prompts = [torch.randint(5, 90, (int(torch.randint(10, 31, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in lengths]  # fmt: skip
+    out: dict[str, Any] = {"params": {**p, "output_lengths": sorted(lengths), "block_size_paged": 16}}
+    for name, block in (("paged", 16), ("contiguous", p["context"])):
+        engine = Engine(init_tiny_model(spec=LONG_CONTEXT_SPEC), max_context_len=p["context"],
+                        max_running_requests=p["requests"], max_total_tokens=p["kv_tokens"], kv_block_size=block,
+                        seed=0).start()  # fmt: skip
+        batches: list[tuple[int, int]] = []  # (decode batch, requests waiting) per decode step
+        scheduler = engine.scheduler
+
+        def record(step: Any, scheduler: Any = scheduler, batches: list = batches) -> None:
+            if step.kind == "decode":
+                batches.append((step.tokens, len(scheduler.waiting)))
+
+        scheduler.add_step_listener(record)
+        started = time.perf_counter()
+        try:
+            items = [
+                gen_item(f"{name}-{i}", pr, n, i)
+                for i, (pr, n) in enumerate(zip(prompts, lengths, strict=True))
+            ]
+            snapshots = run_engine(engine, items)
+        finally:
+            engine.shutdown()
+        if [len(s.output_ids) for s in snapshots] != lengths:
+            raise SystemExit(f"{name}: outputs are not of the requested lengths")
+        bound = [b for b, waiting in batches if waiting]
+        out[name] = {
+            "kv_capacity_tokens": engine.max_total_tokens,
+            "decode_steps": len(batches),
+            "mean_batch_all_steps": statistics.fmean(b for b, _ in batches),
+            "memory_bound_steps": len(bound),
+            "mean_batch_memory_bound": statistics.fmean(bound) if bound else None,
+            "peak_batch": max(b for b, _ in batches),
+            "retractions": engine.scheduler.stats.retractions,
+            "seconds": round(time.perf_counter() - started, 2),
+        }
+    paged, contiguous = out["paged"]["mean_batch_memory_bound"], out["contiguous"]["mean_batch_memory_bound"]
+    out["ratio"] = paged / contiguous if paged and contiguous else None
+    out["ratio_all_steps"] = out["paged"]["mean_batch_all_steps"] / out["contiguous"]["mean_batch_all_steps"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
             row["full"] = run_fresh(tokens, "full", args.repeats)
         else:
             row["full"] = {"skipped": f"[{tokens}, {VOCAB}] float32 logits ({tokens * VOCAB * 4 / 2**30:.1f} "
-                           "GiB a copy, about four live) do not fit in this machine's memory"}  # fmt: skip
+                           "GiB a copy, about four live) do not fit in the memory available "
+                           f"({available_bytes() / 2**30:.1f} GiB)"}  # fmt: skip
         sizes[str(tokens)] = row
         print(json.dumps({str(tokens): row}), flush=True)
     headline: dict[str, Any] = {
@@ -159,9 +380,20 @@ def main(argv: list[str] | None = None) -> int:
     for n in both:  # the targets are at 8,192 tokens; every length where both ran is reported
         suffix = "" if n == "8192" else f"_at_{n}"
         headline.update(ratios(sizes[n], suffix))
-    params = {"vocab": VOCAB, "hidden": HIDDEN, "loss_chunk_tokens": CHUNK, "repeats": args.repeats}
-    doc = write_result(args.out, "long_context", "quick" if args.quick else "full", params, {"sizes": sizes},
-                       TARGETS, headline)  # fmt: skip
+    mode = "quick" if args.quick else "full"
+    results: dict[str, Any] = {"sizes": sizes}
+    for name, measure in (
+        ("varlen_vs_padded", lambda: varlen_vs_padded(mode)),
+        ("prefill_tokens_unshared_vs_shared", prefill_sharing),
+        ("concurrent_sequences_paged_vs_contiguous", lambda: decode_concurrency(mode)),
+    ):
+        started = time.perf_counter()
+        results[name] = measure()
+        headline[f"ratio_{name}"] = results[name]["ratio"]
+        print(f"ratio_{name} {results[name]['ratio']} ({time.perf_counter() - started:.0f} s)", flush=True)
+    params = {"vocab": VOCAB, "hidden": HIDDEN, "loss_chunk_tokens": CHUNK, "repeats": args.repeats,
+              "varlen": VARLEN[mode], "concurrency": CONCURRENCY[mode]}  # fmt: skip
+    doc = write_result(args.out, "long_context", mode, params, results, TARGETS, headline)
     print(json.dumps({k: doc[k] for k in ("targets", "passed")}, indent=2))
     return 0
 

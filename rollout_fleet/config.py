@@ -49,6 +49,11 @@ class EngineConfig(Section):
         "context length, at most half the free memory.",
     )
     kv_block_size: int = Field(16, ge=1, description="Tokens per KV cache block (SGLang's page size).")
+    disable_radix_cache: bool = Field(
+        False,
+        description="As SGLang's flag: no prefix cache and no prompt blocks shared within a group; every "
+        "request computes its whole prompt (a baseline for benchmarks and debugging).",
+    )
     chunked_prefill_size: int = Field(
         2048, ge=1, description="Most prompt tokens one prefill pass computes; longer prompts run in chunks."
     )

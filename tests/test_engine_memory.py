@@ -113,6 +113,23 @@ async def test_a_groups_samples_share_the_prompt_blocks(model_dir: Path, hf, htt
         assert_matches_teacher_forcing(hf, prompt, res, 1.0)
 
 
+async def test_disable_radix_cache_computes_every_samples_prompt(model_dir: Path, hf, http) -> None:
+    """SGLang's --disable-radix-cache (the sharing baseline of benchmarks/long_context.py): no shared job, no
+    prefix hit, not even for the same prompt again; outputs are still exact."""
+    prompt = prompt_ids(100, 51)
+    body = {"input_ids": prompt, "return_logprob": True, "sampling_params": {**sampled(8), "n": 4}}
+    with serving(model_dir, kv_block_size=BS, disable_radix_cache=True) as srv:
+        stats = srv.engine.scheduler.stats
+        results = await generate(http, srv, body)
+        results += await generate(http, srv, body)
+        status, info = await call(http, "GET", srv.url + "/server_info")
+    assert status == 200 and info["disable_radix_cache"] is True
+    assert stats.prefill_tokens_computed == 8 * len(prompt) and stats.prefill_tokens_cached == 0
+    assert [r["meta_info"]["cached_tokens"] for r in results] == [0] * 8
+    for res in results:
+        assert_matches_teacher_forcing(hf, prompt, res, 1.0)
+
+
 # -- the prefix cache ----------------------------------------------------------------------------------------
 
 
@@ -267,6 +284,20 @@ async def test_a_full_cache_makes_requests_wait_and_retracts_the_youngest(model_
         assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": 60}]
         assert res["output_ids"] == want["output_ids"]
         assert_matches_teacher_forcing(hf, body["input_ids"], res, 1.0)
+
+
+async def test_a_request_whose_blocks_hold_all_it_may_generate_reserves_nothing(
+    model_dir: Path, http
+) -> None:
+    """Blocks of 128 tokens (one contiguous row per request, the baseline layout of benchmarks/long_context.py)
+    and a pool of 4: each request of 20 + 60 tokens needs one block and never another, so 4 run together.
+    Keeping a block back for each admitted one would let only 2 run."""
+    bodies = [{"input_ids": prompt_ids(20, 70 + i), "sampling_params": sampled(60)} for i in range(4)]
+    with serving(model_dir, kv_block_size=128, max_total_tokens=4 * 128) as srv:
+        sched = srv.engine.scheduler
+        results = await asyncio.gather(*(generate(http, srv, b) for b in bodies))
+    assert all(r["meta_info"]["finish_reason"]["length"] == 60 for r in results)
+    assert sched.stats.peak_running == 4 and sched.stats.retractions == 0
 
 
 async def test_a_request_that_can_never_fit_is_answered_with_an_error(model_dir: Path, http) -> None:

@@ -46,6 +46,7 @@ def build_engine(shared: SharedConfig, engine: EngineConfig) -> Engine:
         max_total_tokens=engine.max_total_tokens,
         kv_block_size=engine.kv_block_size,
         chunked_prefill_size=engine.chunked_prefill_size,
+        disable_radix_cache=engine.disable_radix_cache,
         seed=engine_seed(engine.seed),
         step_log_size=engine.step_log_size,
         served_model_name=engine.served_model_name,

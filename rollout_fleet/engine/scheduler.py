@@ -169,6 +169,7 @@ class Scheduler:
         max_running_requests: int,
         max_prefill_tokens: int,
         chunked_prefill_size: int = 2048,
+        disable_radix_cache: bool = False,
         seed: int = 0,
         step_log_size: int = 4096,
         weight_version: str = "0",
@@ -184,6 +185,8 @@ class Scheduler:
         self.max_running = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked_prefill_size = chunked_prefill_size
+        # SGLang's --disable-radix-cache: every request computes its whole sequence (the sharing baseline)
+        self.disable_radix_cache = disable_radix_cache
         self.device = runner.device
         self.vocab_size = int(runner.model.config.vocab_size)
         self.generator = torch.Generator(device=self.device)
@@ -417,15 +420,21 @@ class Scheduler:
         return take
 
     def _reserve(self) -> int:
-        """Blocks kept back from admission: one per admitted request, for its next block of output (without
-        it a new request would be admitted only to be retracted at once)."""
-        return self._admitted_count()
+        """Blocks kept back from admission: one per admitted request that may still need a block for its
+        output (without it a new request would be admitted only to be retracted at once). A request whose
+        blocks already hold its prompt and every token it may generate needs none."""
+        running = sum(self._may_grow(r, len(r.blocks)) for r in self.running)
+        return running + sum(self._may_grow(r, len(j.blocks)) for j in self.jobs for r in j.members)
+
+    def _may_grow(self, req: Request, blocks: int) -> bool:
+        longest = len(req.item.input_ids) + req.item.max_new_tokens - 1  # the last token's KV is never stored
+        return self.allocator.blocks_for(longest) > blocks
 
     def _join_job(self, req: Request) -> bool:
         """Admit ``req`` into a job with its exact sequence whose chunks have not yet passed the positions it
         wants logits for; it needs at most one block (its copy of the partial last block)."""
         n = len(req.item.input_ids) + len(req.output_ids)
-        if not any(len(j.tokens) == n for j in self.jobs):
+        if self.disable_radix_cache or not any(len(j.tokens) == n for j in self.jobs):
             return False  # the common case, without building the key
         seq = req.sequence()
         key = tuple(seq)
@@ -450,7 +459,7 @@ class Scheduler:
         limit = len(seq) - 1  # the last token is always computed: its logits sample the next one
         if self._wants_input_logprobs(req, len(seq)):
             limit = min(limit, req.item.logprob_start_len)  # logits wanted from there on are computed too
-        hit = self.allocator.match(seq, limit)
+        hit = [] if self.disable_radix_cache else self.allocator.match(seq, limit)
         fresh = self.allocator.blocks_for(len(seq)) - len(hit)
         if fresh + self.allocator.evictable_among(hit) > self.allocator.available() - self._reserve():
             return None
@@ -505,7 +514,7 @@ class Scheduler:
 
     def _cache_blocks(self, blocks: list[int], tokens: list[int], kv_len: int, epoch: int) -> None:
         """Enter the full blocks of a table into the prefix cache, unless its KV predates the weights."""
-        if epoch == self.allocator.epoch:
+        if epoch == self.allocator.epoch and not self.disable_radix_cache:
             self.allocator.register(blocks, tokens, kv_len // self.block_size)
 
     def _complete(self, job: PrefillJob) -> None:

@@ -426,6 +426,7 @@ class EngineServer:
                 "max_total_num_tokens": engine.max_total_tokens,
                 "chunked_prefill_size": engine.chunked_prefill_size,
                 "page_size": engine.kv_block_size,
+                "disable_radix_cache": engine.scheduler.disable_radix_cache,
                 "max_req_input_len": engine.context_len - 1,
                 "internal_states": [
                     {**engine.stats(), "paused": self.is_paused, "pause_mode": self.pause_mode}
