@@ -64,7 +64,7 @@ TARGETS = {
 # varlen vs padded: sequences of the long task's lengths (digits up to max_digits), micro-batch token budget
 VARLEN = {
     "quick": {"sequences": 16, "max_digits": 12, "budget": 4096, "repeats": 1, "layers": 2},
-    "full": {"sequences": 32, "max_digits": 14, "budget": 8192, "repeats": 2, "layers": 2},
+    "full": {"sequences": 24, "max_digits": 14, "budget": 8192, "repeats": 1, "layers": 2},
 }
 GROUP_SIZE, SHARED_PROMPT = 8, 2048
 # paged vs contiguous: requests, KV memory (tokens), context (the contiguous row), digits of the length mix
