@@ -2,6 +2,8 @@
 
     python -m benchmarks.long_context --quick --out FILE   # loss at 2,048, 4,096 and 8,192 tokens; smaller mixes
     python -m benchmarks.long_context --out FILE           # and 32,768 (chunked only: full cannot fit)
+    python -m benchmarks.long_context --sections varlen --out FILE   # one part only (loss varlen prefill
+                                                                     # concurrency)
 
 The loss of one sequence of N tokens on a model shaped like a real one where it matters here: a vocabulary of
 151,936 (Qwen2.5's) and hidden size 512, random weights. Each measurement is a fresh process (so its high-water
@@ -20,9 +22,13 @@ Three more comparisons, each against its baseline in the same run:
 
 - ``ratio_varlen_vs_padded``: trained tokens/s of one learner step (``learner.step.train_step``, decoupled PPO)
   on a long-tailed length mix, varlen packed rows (the learner's way) against every sequence right-padded to the
-  longest; the model is Qwen2 with the same vocabulary and hidden size 512, 2 layers, random weights; output
+  longest; the model is Qwen2 with the same vocabulary and hidden size 512 (MLP 2,048), random weights; output
   lengths are the long-output task's reference lengths (``long_multiplication``), so a few sequences are many
-  times the median. Both ways must agree on the loss before they are timed.
+  times the median. Both ways must agree on the loss before they are timed. Measured at 8 layers (full mode: 2
+  and 8): the lm-head runs on trained tokens only in both ways, so padding costs only in the decoder layers,
+  and with 2 layers the lm-head is about 90% of the per-token compute (in Qwen2.5-0.5B the 24 layers are about
+  70%, in 7B about 92%): a 2-layer model hides most of what padding costs a real one. At 8 layers the layers
+  are about 28%, still less than in any real model.
 - ``ratio_prefill_tokens_unshared_vs_shared``: prompt tokens the built-in engine computes for one group of 8
   samples of one 2,048-token prompt, submitted together as a rollout worker does, with the engine's sharing (a
   group's samples share the prompt's blocks; the prefix cache) against ``engine.disable_radix_cache``.
@@ -63,10 +69,11 @@ TARGETS = {
 }
 # varlen vs padded: sequences of the long task's lengths (digits up to max_digits), micro-batch token budget
 VARLEN = {
-    "quick": {"sequences": 16, "max_digits": 12, "budget": 4096, "repeats": 1, "layers": 2},
-    "full": {"sequences": 24, "max_digits": 14, "budget": 8192, "repeats": 1, "layers": 2},
+    "quick": {"sequences": 16, "max_digits": 12, "budget": 4096, "repeats": 1, "layers": [8]},
+    "full": {"sequences": 24, "max_digits": 14, "budget": 8192, "repeats": 1, "layers": [2, 8]},
 }
 GROUP_SIZE, SHARED_PROMPT = 8, 2048
+SECTIONS = ("loss", "varlen", "prefill", "concurrency")
 # paged vs contiguous: requests, KV memory (tokens), context (the contiguous row), digits of the length mix
 CONCURRENCY = {
     "quick": {"requests": 128, "kv_tokens": 4096, "context": 1024, "max_digits": 8},
@@ -218,19 +225,26 @@ def long_task_batch(n: int, max_digits: int, vocab: int) -> list[Any]:
 
 
 def varlen_vs_padded(mode: str) -> dict[str, Any]:
+    """Both ways on the same batch, once per model depth of the mode; the headline is the deepest model's."""
     from benchmarks.learner_throughput import compare, packed_micro_batches, padded_micro_batches
 
     p = VARLEN[mode]
     seqs = long_task_batch(p["sequences"], p["max_digits"], VOCAB)
-    model = real_shaped_model(p["layers"], max(s.length for s in seqs))
     ways = {
         "varlen": packed_micro_batches(seqs, p["budget"]),
         "padded": padded_micro_batches(seqs, p["budget"]),
     }
-    result = compare(model, seqs, ways, p["budget"], p["repeats"])
-    result["params"] = {**p, "output_lengths": sorted(s.length - len(s.prompt_ids) for s in seqs)}
-    result["ratio"] = result["tokens_per_s"]["varlen"] / result["tokens_per_s"]["padded"]
-    return result
+    out: dict[str, Any] = {
+        "params": {**p, "output_lengths": sorted(s.length - len(s.prompt_ids) for s in seqs)}
+    }
+    for layers in p["layers"]:
+        model = real_shaped_model(layers, max(s.length for s in seqs))
+        result = compare(model, seqs, ways, p["budget"], p["repeats"])
+        result["ratio"] = result["tokens_per_s"]["varlen"] / result["tokens_per_s"]["padded"]
+        out[f"{layers}_layers"] = result
+        print(f"varlen vs padded, {layers} layers: {result['ratio']:.3f}", flush=True)
+    out["ratio"] = out[f"{max(p['layers'])}_layers"]["ratio"]
+    return out
 
 
 # -- the engine: prompt sharing and paged KV ------------------------------------------------------------------
@@ -344,26 +358,13 @@ def decode_concurrency(mode: str) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="2,048, 4,096 and 8,192 tokens only")
-    parser.add_argument("--out", type=Path, help="result JSON")
-    parser.add_argument("--repeats", type=int, default=2, help="forward + backward passes per measurement")
-    parser.add_argument("--measure", choices=["chunked", "full"], help=argparse.SUPPRESS)
-    parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.measure:
-        print(json.dumps(measure_loss(args.tokens, args.measure, args.repeats)))
-        return 0
-    if args.out is None:
-        parser.error("--out is required")
+def loss_memory(quick: bool, repeats: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The loss, chunked against full logits, each length in fresh processes: (sizes, headline ratios)."""
     sizes: dict[str, dict[str, Any]] = {}
-    for tokens in QUICK_SIZES if args.quick else FULL_SIZES:
-        row: dict[str, Any] = {"chunked": run_fresh(tokens, "chunked", args.repeats)}
+    for tokens in QUICK_SIZES if quick else FULL_SIZES:
+        row: dict[str, Any] = {"chunked": run_fresh(tokens, "chunked", repeats)}
         if full_fits(tokens):
-            row["full"] = run_fresh(tokens, "full", args.repeats)
+            row["full"] = run_fresh(tokens, "full", repeats)
         else:
             row["full"] = {"skipped": f"[{tokens}, {VOCAB}] float32 logits ({tokens * VOCAB * 4 / 2**30:.1f} "
                            "GiB a copy, about four live) do not fit in the memory available "
@@ -380,20 +381,60 @@ def main(argv: list[str] | None = None) -> int:
     for n in both:  # the targets are at 8,192 tokens; every length where both ran is reported
         suffix = "" if n == "8192" else f"_at_{n}"
         headline.update(ratios(sizes[n], suffix))
+    return sizes, headline
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="loss up to 8,192 tokens; smaller mixes (minutes)"
+    )
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        help="what to measure (default: all): the loss, varlen vs padded, prefill sharing, paged concurrency",
+    )
+    parser.add_argument("--out", type=Path, help="result JSON")
+    parser.add_argument("--repeats", type=int, default=2, help="forward + backward passes per measurement")
+    parser.add_argument("--measure", choices=["chunked", "full"], help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.measure:
+        print(json.dumps(measure_loss(args.tokens, args.measure, args.repeats)))
+        return 0
+    if args.out is None:
+        parser.error("--out is required")
     mode = "quick" if args.quick else "full"
-    results: dict[str, Any] = {"sizes": sizes}
-    for name, measure in (
-        ("varlen_vs_padded", lambda: varlen_vs_padded(mode)),
-        ("prefill_tokens_unshared_vs_shared", prefill_sharing),
-        ("concurrent_sequences_paged_vs_contiguous", lambda: decode_concurrency(mode)),
+    results: dict[str, Any] = {}
+    headline: dict[str, Any] = {}
+    if "loss" in args.sections:
+        results["sizes"], ratios_at = loss_memory(args.quick, args.repeats)
+        headline.update(ratios_at)
+    for name, section, measure in (
+        ("varlen_vs_padded", "varlen", lambda: varlen_vs_padded(mode)),
+        ("prefill_tokens_unshared_vs_shared", "prefill", prefill_sharing),
+        ("concurrent_sequences_paged_vs_contiguous", "concurrency", lambda: decode_concurrency(mode)),
     ):
+        if section not in args.sections:
+            continue
         started = time.perf_counter()
         results[name] = measure()
         headline[f"ratio_{name}"] = results[name]["ratio"]
         print(f"ratio_{name} {results[name]['ratio']} ({time.perf_counter() - started:.0f} s)", flush=True)
+    if "varlen" in args.sections:
+        for layers in VARLEN[mode]["layers"]:
+            headline[f"ratio_varlen_vs_padded_{layers}_layers"] = results["varlen_vs_padded"][
+                f"{layers}_layers"
+            ]["ratio"]
+    targets = {name: t for name, t in TARGETS.items() if name in headline}  # those of the sections run
     params = {"vocab": VOCAB, "hidden": HIDDEN, "loss_chunk_tokens": CHUNK, "repeats": args.repeats,
               "varlen": VARLEN[mode], "concurrency": CONCURRENCY[mode]}  # fmt: skip
-    doc = write_result(args.out, "long_context", mode, params, results, TARGETS, headline)
+    params["sections"] = args.sections
+    doc = write_result(args.out, "long_context", mode, params, results, targets, headline)
     print(json.dumps({k: doc[k] for k in ("targets", "passed")}, indent=2))
     return 0
 
