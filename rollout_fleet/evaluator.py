@@ -131,10 +131,12 @@ async def evaluate_through_engines(
     stop_token_ids: tuple[int, ...],
     timeout_s: float = 120.0,
     min_version: int = 0,
+    generate_timeout_s: float | None = None,
 ) -> EvalResult:
     """Greedy and sampled accuracy over the first ``config.heldout_prompts`` held-out prompts, spread
     round-robin over the engines of ``urls`` that serve ``min_version`` or later, with at most
-    ``config.concurrency`` requests in flight."""
+    ``config.concurrency`` requests in flight. ``timeout_s`` bounds the control calls; a ``/generate`` call gets
+    ``generate_timeout_s`` (default the same): long outputs take long."""
     started = time.monotonic()
     n = min(config.heldout_prompts, task.num_prompts(TEST))
     prompts = [task.make_prompt(i, TEST) for i in range(n)]
@@ -145,7 +147,7 @@ async def evaluate_through_engines(
     gate = asyncio.Semaphore(config.concurrency)
     async with aiohttp.ClientSession() as session:
         ready = await engines_at_version(session, urls, min_version, min(timeout_s, 10.0))
-        clients = [EngineClient(session, u, timeout_s, timeout_s) for u in ready]
+        clients = [EngineClient(session, u, generate_timeout_s or timeout_s, timeout_s) for u in ready]
 
         async def run(k: int, mode: str, prompt: Prompt) -> tuple[str, float, float, int]:
             async with gate:
@@ -204,6 +206,7 @@ async def run_evaluation_once(
         _stop_ids(tokenizer, rollout),
         shared.http_timeout_s * 4,
         min_version,
+        rollout.request_timeout_s,
     )
     metrics = result.as_metrics()
     client = connect(resolve_redis_url(shared))
@@ -245,6 +248,7 @@ async def evaluator_loop(
                     result = await evaluate_through_engines(
                         list(rollout.engine_urls), task, tokenizer, config, _stop_ids(tokenizer, rollout),
                         shared.http_timeout_s * 4, min_version=version,
+                        generate_timeout_s=rollout.request_timeout_s,
                     )  # fmt: skip
                 except NoEngineAtVersion as exc:  # every engine behind (restarting, or out of the sync)
                     log.warning("eval of version %d postponed: %s", version, exc)

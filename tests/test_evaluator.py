@@ -113,6 +113,36 @@ async def test_only_engines_serving_the_version_are_evaluated(model_dir: Path) -
             )
 
 
+async def test_a_generation_may_outlast_the_control_timeout(model_dir: Path) -> None:
+    """A held-out answer of thousands of tokens takes minutes on a CPU: the /generate calls get their own
+    timeout (rollout.request_timeout_s in the evaluator), not the short one of the control calls. Here the
+    engine is paused for 3 s, longer than the 1 s control timeout, and the evaluation still completes."""
+    import aiohttp
+    from transformers import AutoTokenizer
+
+    from rollout_fleet.evaluator import evaluate_through_engines
+    from rollout_fleet.tasks.config import build_task
+
+    with serving(model_dir) as srv:
+        _, _, rollout = configs(model_dir, [srv.url])
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        task = build_task(rollout.task, tokenizer)
+        async with aiohttp.ClientSession() as http:
+            paused = await http.post(srv.url + "/pause_generation", json={"mode": "in_place"})
+            assert paused.status == 200
+
+            async def resume_later() -> None:
+                await asyncio.sleep(3.0)
+                await http.post(srv.url + "/continue_generation", json={})
+
+            resumer = asyncio.create_task(resume_later())
+            result = await evaluate_through_engines(
+                [srv.url], task, tokenizer, EVAL, (), 1.0, generate_timeout_s=60.0
+            )
+            await resumer
+    assert result.engines == 1 and srv.engine.stats()["finished_requests"] >= 2 * EVAL.heldout_prompts
+
+
 def test_a_final_evaluation_of_another_version_is_flagged_in_the_summary(
     model_dir: Path, redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
