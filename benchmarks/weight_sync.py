@@ -77,7 +77,8 @@ def build_learner_model(config: dict) -> torch.nn.Module:
     """The learner's model, FSDP2-sharded over a one-rank gloo group so the sync gathers DTensors for real."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from learner.distributed import free_port, init_distributed, shard_model
+    from broker.server import free_port
+    from learner.distributed import init_distributed, shard_model
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     info = init_distributed(timeout_s=TIMEOUT_S, threads=1)

@@ -61,8 +61,28 @@ def port_is_free(host: str, port: int) -> bool:
         return True
 
 
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range of source ports for outgoing connections (Linux's default when unreadable)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A free port for a server that may have to restart on it, drawn below the ephemeral range: a port from
+    that range can be taken at any moment as the source port of some outgoing connection (the run's own
+    clients included), so a server restarted after a crash could find its port held. Drawn from the 12,000
+    ports just below the range (20,768-32,767 with Linux's default), above fixed ports such as the default
+    ``dashboard.metrics_base_port`` (9,400)."""
+    low = ephemeral_port_range()[0]
+    rng = secrets.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port_is_free(host, port):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # all taken: whatever the kernel gives
         sock.bind((host, 0))
         return sock.getsockname()[1]
 

@@ -158,14 +158,6 @@ def full_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def ensure_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -15,8 +15,9 @@ from broker.configlib import ConfigError
 from broker.cpus import pin_to_cpus
 from broker.discovery import resolve_redis_url
 from broker.lifecycle import die_with_parent
+from broker.server import free_port
 from learner.config import LearnerConfig
-from learner.distributed import free_port, init_distributed
+from learner.distributed import init_distributed
 from weight_sync.config import WeightSyncConfig
 
 log = logging.getLogger("streamrl.learner")

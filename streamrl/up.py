@@ -36,7 +36,7 @@ from broker.client import BrokerKeys
 from broker.configlib import ConfigError, dump_config
 from broker.discovery import resolve_redis_url, url_file
 from broker.lifecycle import read_records, stop_leftovers
-from learner.distributed import free_port
+from broker.server import free_port
 from rollout_fleet.fleet import engine_ranks
 from streamrl.config import StreamRLConfig
 from streamrl.status import StatusReader

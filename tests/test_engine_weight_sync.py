@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from learner.distributed import free_port
+from broker.server import free_port
 from tests.test_weight_sync_e2e import SEQUENCE, _train_step, http_json
 from weight_sync.receiver import weights_checksum
 

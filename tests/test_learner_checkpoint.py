@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from broker.server import free_port
 from learner.checkpoint import CheckpointManager, CheckpointMeta, LedgerEntry, export_hf
-from learner.distributed import free_port, full_parameters, init_distributed, shard_model
+from learner.distributed import full_parameters, init_distributed, shard_model
 from rollout_fleet.model import init_tiny_model
 
 

@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from broker.server import free_port
 from learner.attention import register_packed_attention
 from learner.checkpoint import CheckpointManager, CheckpointMeta
 from learner.config import LearnerConfig, LossConfig
-from learner.distributed import free_port, full_parameters, init_distributed, shard_model
+from learner.distributed import full_parameters, init_distributed, shard_model
 from learner.step import train_step
 from rollout_fleet.model import init_tiny_model
 from tests.learner_batch import make_sequences, rank_inputs

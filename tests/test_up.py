@@ -20,6 +20,7 @@ import pytest
 
 from benchmarks.crash_cost import learner_step
 from benchmarks.learning_gain import RUN_ARGS, STEPS
+from broker.server import ephemeral_port_range
 from streamrl.config import METRICS_PORT_OFFSETS
 from tests.prom import scrape
 
@@ -58,15 +59,13 @@ def up(run_dir: Path, model: Path, metrics_base: int, *extra: str) -> subprocess
 
 def metrics_base_port() -> int:
     """A base for ``dashboard.metrics_base_port`` whose every offset the test scrapes is free, taken below the
-    kernel's ephemeral range: a port from that range (what ``free_port`` gives) can be held at any moment by
-    one of the run's own client connections, so base + 1 or + 10 may refuse to bind while base itself did."""
-    ephemeral_low = 32768
-    range_file = Path("/proc/sys/net/ipv4/ip_local_port_range")
-    if range_file.is_file():
-        ephemeral_low = int(range_file.read_text().split()[0])
+    kernel's ephemeral range: a port from that range can be held at any moment by one of the run's own client
+    connections, so base + 1 or + 10 may refuse to bind while base itself did."""
+    ephemeral_low = ephemeral_port_range()[0]
     span = max(METRICS_PORT_OFFSETS.values()) + 1  # every role's endpoint, one rollout worker
     for _ in range(100):
-        base = random.randrange(max(1024, ephemeral_low - 12000), ephemeral_low - span)
+        # below the 12,000 ports where broker.server.free_port draws the run's server ports
+        base = random.randrange(max(1024, ephemeral_low - 24000), ephemeral_low - 12000 - span)
         if all(port_is_free(base + offset) for offset in range(span)):
             return base
     raise RuntimeError(f"no {span} free ports in a row below the ephemeral range ({ephemeral_low})")

@@ -153,7 +153,7 @@ def _learner(
 def run_learners(model_dir: Path, urls: list[str], scenario: str, out: Path) -> dict:
     import torch.multiprocessing as mp
 
-    from learner.distributed import free_port
+    from broker.server import free_port
 
     mp.start_processes(
         _learner,

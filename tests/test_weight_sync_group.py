@@ -67,7 +67,7 @@ def _engine(name: str, first_rank: int, ports: mp.Queue, results: mp.Queue, stay
 
 
 def test_group_coexists_with_default_group_and_rebuilds_with_new_membership() -> None:
-    from learner.distributed import free_port
+    from broker.server import free_port
 
     ctx = mp.get_context("spawn")
     ports, results = ctx.Queue(), ctx.Queue()

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.distributed import free_port
+from broker.server import free_port
 from learner.publish import WeightSyncPublisher
 from tests.test_engine_weight_sync import start_engine, wait_ready
 from tests.test_weight_sync_e2e import _train_step, http_json
