@@ -23,12 +23,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 import learner.step
+from broker.server import free_port
 from learner.checkpoint import CheckpointManager, CheckpointMeta, export_hf
 from learner.config import LearnerConfig
 from learner.distributed import (
     compute_dtype,
     decoder_layers,
-    free_port,
     full_parameters,
     init_distributed,
     shard_model,
