@@ -494,8 +494,9 @@ async def test_abort_of_a_queued_request(model_dir: Path, http) -> None:
             generate(http, srv, {"input_ids": prompt_ids(5, 3), "sampling_params": LONG})
         )
         queued = asyncio.create_task(generate(http, srv, {"input_ids": [7, 8, 9], "rid": "q-1"}))
-        await wait_until(lambda: any(r.rid == "q-1" for r in list(srv.engine.scheduler.waiting)))
-        assert len(srv.engine.scheduler.running) == 1  # the single row is taken: q-1 waits
+        sched = srv.engine.scheduler
+        # the single row is taken (once the first request's prefill is done, it is running): q-1 waits
+        await wait_until(lambda: any(r.rid == "q-1" for r in list(sched.waiting)) and len(sched.running) == 1)
         await call(http, "POST", srv.url + "/abort_request", {"rid": "q-1"})
         res = await queued
         meta = res["meta_info"]
