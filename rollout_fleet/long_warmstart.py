@@ -17,7 +17,6 @@ long_multiplication`` builds it from a shell.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import math
@@ -42,7 +41,15 @@ from rollout_fleet.model import (
 )
 from rollout_fleet.tasks import TEST, Prompt
 from rollout_fleet.tasks.long_multiplication import LongMultiplicationTask
-from rollout_fleet.warmstart import MARKER, SEED_STRIDE, TrainLog, _is_built, _stderr, lr_at, step_loss
+from rollout_fleet.warmstart import (
+    MARKER,
+    SEED_STRIDE,
+    TrainLog,
+    _stderr,
+    build_once,
+    lr_at,
+    step_loss,
+)
 
 Example = tuple[list[int], int]  # (prompt + output + EOS token ids, prompt length)
 
@@ -272,14 +279,7 @@ def init_long_warm_model(
     ).check()
     key = fingerprint(spec, recipe)
     path = Path(path) if path else default_path(spec, recipe)
-    if _is_built(path, key):
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _is_built(path, key):
-            _build(path, spec, recipe, key, progress)
-    return path
+    return build_once(path, key, lambda: _build(path, spec, recipe, key, progress))
 
 
 def _build(

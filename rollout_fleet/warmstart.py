@@ -274,13 +274,19 @@ def init_warm_model(
     recipe = make_recipe(steps, seed, lr, target)
     key = fingerprint(spec, recipe)
     path = Path(path) if path else default_path(spec, recipe)
+    return build_once(path, key, lambda: _build(path, spec, recipe, key, progress))
+
+
+def build_once(path: Path, key: str, build: Callable[[], None]) -> Path:
+    """``build()`` writes the model directory ``path`` unless it is there already with fingerprint ``key``;
+    concurrent callers wait on a lock file beside it instead of building twice."""
     if _is_built(path, key):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not _is_built(path, key):
-            _build(path, spec, recipe, key, progress)
+            build()
     return path
 
 
