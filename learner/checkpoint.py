@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from broker.outcomes import Outcome
+from learner.lora import merged_state_dict
 
 LATEST = "LATEST"
 
@@ -203,13 +204,16 @@ class CheckpointManager:
 def export_hf(model: nn.Module, source_dir: Path, out_dir: Path) -> Path | None:
     """Save the current policy as a Hugging Face directory (safetensors + config + tokenizer).
 
-    Every rank must call this (the full state dict is gathered); rank 0 writes and returns the path.
+    Every rank must call this (the full state dict is gathered); rank 0 writes and returns the path. A model
+    with LoRA adapters is written merged (learner.lora.merged_state_dict): engines and the evaluator load it as
+    a plain model.
     """
     from safetensors.torch import save_file
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if _rank() != 0:
         return None
+    state = merged_state_dict(model, state)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -107,7 +107,7 @@ class WeightSyncPublisher:
         if self.sender is not None:
             self._refresh_membership()
             rejoined = self.sender.rejoin()
-        result = sync_weights(model, version, self.sender)
+        result = sync_weights(model, version, self.sender, lora_sync=self.config.lora_sync)
         if result is None:  # not rank 0: rank 0's publication decides
             return Publication(announce=True)
         assert self.sender is not None

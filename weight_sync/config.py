@@ -73,6 +73,30 @@ class WeightSyncConfig(Section):
         120.0, gt=0, description="How long the learner waits at start for at least one engine to update."
     )
 
+    lora_sync: Literal["adapter", "merged", "adapter_path"] = Field(
+        "adapter",
+        description="With learner.lora: adapter sends only the adapter tensors over the update group (built-in "
+        "engine); merged sends every weight with the adapter merged (any engine); adapter_path writes a PEFT "
+        "adapter to adapter_dir for SGLang's /load_lora_adapter.",
+    )
+    lora_name: str = Field(
+        "policy",
+        min_length=1,
+        description="Adapter name prefix: version N is loaded as <lora_name>-v<N> (requests' lora_path on SGLang).",
+    )
+    adapter_dir: str | None = Field(
+        None, description="lora_sync adapter_path: a directory the learner writes and every engine reads."
+    )
+    keep_adapters: int = Field(
+        2,
+        ge=1,
+        description="lora_sync adapter_path: adapter versions kept loaded, so requests started on one finish.",
+    )
+
+    def adapter_name(self, version: int) -> str:
+        """The name version ``version``'s adapter is loaded under (SGLang's ``lora_name`` / ``lora_path``)."""
+        return f"{self.lora_name}-v{version}"
+
     def resolved_load_format(self, backend: str) -> str:
         """The wire format for ``backend``: on GPUs one NCCL call per bucket wins; on CPU engines per-tensor
         broadcasts land in the model's own tensors, saving the unpack copy (docs/weight_sync.md, numbers)."""

@@ -58,10 +58,10 @@ def _handler(parse: Callable[[Any], Any], call: Callable[[Any], tuple[bool, str]
     return handle
 
 
-def _update_handler(receiver: WeightReceiver) -> Handler:
+def _update_handler(receiver: WeightReceiver, parse: Callable[[Any], Any]) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         try:
-            parsed = protocol.parse_update_distributed(await read_json(request))
+            parsed = parse(await read_json(request))
         except ValueError as exc:
             return validation_error(str(exc))
         ticket = receiver.take_ticket()  # on the event loop: updates are served in arrival order
@@ -72,12 +72,19 @@ def _update_handler(receiver: WeightReceiver) -> Handler:
 
 
 def weight_routes(receiver: WeightReceiver, sessions: bool = True) -> list[web.RouteDef]:
-    """init / update / destroy, plus begin / end when ``sessions`` (SGLang 0.5.23; without them, 404)."""
+    """init / update / destroy, plus begin / end when ``sessions`` (SGLang 0.5.23; without them, 404), plus the
+    LoRA adapter update when the receiver has ``load_adapter``."""
     routes = [
         web.post(protocol.INIT_GROUP, _handler(protocol.parse_init_group, receiver.init_group)),
-        web.post(protocol.UPDATE_DISTRIBUTED, _update_handler(receiver)),
+        web.post(protocol.UPDATE_DISTRIBUTED, _update_handler(receiver, protocol.parse_update_distributed)),
         web.post(protocol.DESTROY_GROUP, _handler(protocol.parse_group_name, receiver.destroy_group)),
     ]
+    if receiver.load_adapter is not None:  # without it the route is absent (404), as on SGLang
+        routes.append(
+            web.post(
+                protocol.LOAD_LORA_DISTRIBUTED, _update_handler(receiver, protocol.parse_lora_distributed)
+            )
+        )
     if sessions:
         routes += [
             web.post(protocol.BEGIN, _handler(lambda body: body, lambda _: receiver.begin())),

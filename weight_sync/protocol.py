@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from weight_sync.buckets import TensorMeta, dtype_name, metas_from_request
+from weight_sync.lora import LoraSpec
 
 INIT_GROUP = "/init_weights_update_group"
 UPDATE_DISTRIBUTED = "/update_weights_from_distributed"
@@ -25,6 +26,13 @@ DESTROY_GROUP = "/destroy_weights_update_group"
 UPDATE_FROM_DISK = "/update_weights_from_disk"
 GET_WEIGHTS_BY_NAME = "/get_weights_by_name"
 MODEL_INFO = "/model_info"
+UPDATE_WEIGHT_VERSION = "/update_weight_version"
+# SGLang's LoRA endpoints (0.5.x): an adapter by path on the engine's filesystem, and its removal.
+LOAD_LORA = "/load_lora_adapter"
+UNLOAD_LORA = "/unload_lora_adapter"
+# streamrl's own: an adapter broadcast over the update group, as update_weights_from_distributed does for full
+# weights. SGLang has no such endpoint (it answers 404 before posting a receive, so the sender never hangs).
+LOAD_LORA_DISTRIBUTED = "/load_lora_adapter_from_distributed"
 
 DEFAULT_GROUP = "weight_update_group"
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -99,6 +107,41 @@ def update_distributed_body(
         "weight_version": weight_version,
         "load_format": load_format,
     }
+
+
+def lora_distributed_body(
+    metas: list[TensorMeta],
+    lora_name: str,
+    spec: LoraSpec,
+    group_name: str = DEFAULT_GROUP,
+    flush_cache: bool = True,
+    weight_version: str | None = None,
+    load_format: str | None = None,
+) -> dict[str, Any]:
+    """``/load_lora_adapter_from_distributed`` for one bucket of adapter tensors (``M.lora_A.weight``,
+    ``M.lora_B.weight``): the fields of ``update_weights_from_distributed`` plus SGLang's LoRA fields
+    ``lora_name`` and ``config_dict`` (PEFT's adapter config, with the exact ``scaling``)."""
+    body = update_distributed_body(metas, group_name, flush_cache, weight_version, load_format)
+    if not lora_name:
+        raise ValueError("lora_name must be non-empty")
+    return {**body, "lora_name": lora_name, "config_dict": spec.config_dict()}
+
+
+def load_lora_body(lora_name: str, lora_path: str, pinned: bool = False) -> dict[str, Any]:
+    """SGLang's ``/load_lora_adapter``: a PEFT adapter directory the engine can read, under ``lora_name``
+    (requests then select it with ``lora_path = lora_name``)."""
+    if not lora_name or not lora_path:
+        raise ValueError("lora_name and lora_path must be non-empty")
+    return {"lora_name": lora_name, "lora_path": str(lora_path), "pinned": bool(pinned)}
+
+
+def unload_lora_body(lora_name: str) -> dict[str, Any]:
+    return {"lora_name": lora_name}
+
+
+def update_weight_version_body(new_version: str, abort_all_requests: bool = False) -> dict[str, Any]:
+    """``/update_weight_version``: only the label (an adapter load by path does not change it on SGLang)."""
+    return {"new_version": str(new_version), "abort_all_requests": bool(abort_all_requests)}
 
 
 def begin_body(selector: Literal["target", "draft", "all"] = "all") -> dict[str, Any]:
@@ -194,6 +237,8 @@ class UpdateRequest:
     abort_all_requests: bool = False
     weight_version: str | None = None
     load_format: str | None = None
+    adapter: LoraSpec | None = None  # set for a LoRA adapter update: the tensors are lora_A / lora_B
+    lora_name: str | None = None
 
 
 def parse_update_distributed(body: Any) -> UpdateRequest:
@@ -215,6 +260,36 @@ def parse_update_distributed(body: Any) -> UpdateRequest:
         weight_version=version,
         load_format=load_format,
     )
+
+
+def parse_lora_distributed(body: Any) -> UpdateRequest:
+    """``/load_lora_adapter_from_distributed``: an update request whose tensors are one adapter's."""
+    ep = LOAD_LORA_DISTRIBUTED
+    lora_name = _require(body, "lora_name", str, ep)
+    config = _require(body, "config_dict", dict, ep)
+    spec = LoraSpec.from_config_dict(config, f"{ep}: config_dict")
+    req = parse_update_distributed(body)
+    return UpdateRequest(**{**req.__dict__, "adapter": spec, "lora_name": lora_name})
+
+
+@dataclass(frozen=True)
+class LoadLoraRequest:
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+def parse_load_lora(body: Any) -> LoadLoraRequest:
+    ep = LOAD_LORA
+    return LoadLoraRequest(
+        lora_name=_require(body, "lora_name", str, ep),
+        lora_path=_require(body, "lora_path", str, ep),
+        pinned=bool(body.get("pinned", False)),
+    )
+
+
+def parse_unload_lora(body: Any) -> str:
+    return _require(body, "lora_name", str, UNLOAD_LORA)
 
 
 def parse_pause_mode(body: Any) -> str:

@@ -30,9 +30,12 @@ from torch import nn
 from weight_sync import protocol
 from weight_sync.buckets import TensorMeta, layout, unflatten
 from weight_sync.group import UpdateGroup, join_group
+from weight_sync.lora import LoraSpec
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 LoadWeights = Callable[[NamedTensors], None]
+# An engine that serves LoRA adapters: apply one bucket of adapter tensors (``M.lora_A.weight`` ...).
+LoadAdapter = Callable[[NamedTensors, LoraSpec], None]
 Destination = Callable[[TensorMeta], "torch.Tensor | None"]
 
 
@@ -71,8 +74,11 @@ class WeightReceiver:
         on_weight_version: Callable[[str], None] | None = None,
         reuse_buffers: bool = True,
         destination: Destination | None = None,
+        load_adapter: LoadAdapter | None = None,
     ) -> None:
         self.load_weights = load_weights
+        # Set on engines that take LoRA adapters over the group (``/load_lora_adapter_from_distributed``).
+        self.load_adapter = load_adapter
         # Per-tensor updates (load_format null) may be received straight into the model's own tensors when the
         # engine names one of matching dtype, shape and device (``model_destination``): no receive buffer, no
         # load copy. Only while generation is paused (the sender always pauses); a failed receive leaves those
@@ -211,7 +217,7 @@ class WeightReceiver:
             outcome, group = self._admit(req)
         try:
             if outcome is None:
-                named = self._receive(group, req.metas, req.load_format, ticket % 2)
+                named = self._receive(group, req.metas, req.load_format, ticket % 2, req.adapter is None)
         except Exception as exc:
             outcome = self._fail(f"Failed to receive weights: {exc}", partial=True)
         finally:
@@ -232,6 +238,8 @@ class WeightReceiver:
     def _admit(self, req: protocol.UpdateRequest) -> tuple[tuple[bool, str] | None, UpdateGroup | None]:
         if self.require_session and not self.session_open:
             return (False, protocol.MSG_SESSION_REQUIRED), None
+        if req.adapter is not None and self.load_adapter is None:
+            return self._fail("Failed to load LoRA adapter: this engine does not serve LoRA adapters."), None
         group = self.groups.get(req.group_name)
         if group is None:
             known = list(self.groups)
@@ -244,7 +252,9 @@ class WeightReceiver:
 
     def _load(self, req: protocol.UpdateRequest, named: NamedTensors) -> tuple[bool, str]:
         try:
-            if named:
+            if named and req.adapter is not None:
+                self.load_adapter(named, req.adapter)  # _admit refused the update if there is none
+            elif named:
                 self.load_weights(named)
         except Exception as exc:
             return self._fail(f"Failed to load weights: {exc}", partial=True)
@@ -270,7 +280,12 @@ class WeightReceiver:
         return buf[:nbytes]
 
     def _receive(
-        self, group: UpdateGroup, metas: list[TensorMeta], load_format: str | None, slot: int
+        self,
+        group: UpdateGroup,
+        metas: list[TensorMeta],
+        load_format: str | None,
+        slot: int,
+        direct_ok: bool = True,
     ) -> NamedTensors:
         timeout = timedelta(seconds=self.timeout_s)
         if load_format == "flattened_bucket":
@@ -278,7 +293,7 @@ class WeightReceiver:
             flat = self._buffer(ranges[-1][1] if ranges else 0, slot)
             group.broadcast(flat, async_op=True).wait(timeout)
             return unflatten(flat, metas)
-        direct = [self._direct(m) for m in metas]
+        direct = [self._direct(m) if direct_ok else None for m in metas]
         rest = [m for m, d in zip(metas, direct, strict=True) if d is None]
         try:  # per tensor: views of the reusable buffer when the layout allows, else fresh tensors
             ranges = layout(rest)

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,14 @@ from weight_sync.buckets import Bucket, BucketBuilder, flatten_into
 from weight_sync.client import EngineHttp, wait_reply
 from weight_sync.config import WeightSyncConfig
 from weight_sync.group import UpdateGroup, default_backend, host_address, join_group, open_store
+from weight_sync.lora import (
+    LoraSpec,
+    iter_adapter_tensors,
+    iter_merged_tensors,
+    lora_layers,
+    lora_spec,
+    write_peft_adapter,
+)
 from weight_sync.protocol import Reply
 
 log = logging.getLogger(__name__)
@@ -119,8 +128,12 @@ def iter_full_tensors(
     """``(hf_name, full tensor)`` for every parameter, gathered one at a time.
 
     Every learner rank must iterate this to the end: each ``full_tensor()`` is an all-gather over the FSDP
-    mesh. Tied weights appear once (``named_parameters`` deduplicates), as in the HF checkpoint.
+    mesh. Tied weights appear once (``named_parameters`` deduplicates), as in the HF checkpoint. A model with
+    LoRA layers is sent merged (``W_base + scaling * B @ A`` under the base layer's HF name).
     """
+    if lora_layers(model):
+        yield from iter_merged_tensors(model, dtype)
+        return
     for name, param in model.named_parameters():
         tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
         tensor = tensor.detach()
@@ -164,9 +177,10 @@ class BufferPool:
 class _Attempt:
     """One pass over the model on rank 0: the main thread adds tensors, a sender thread ships buckets."""
 
-    def __init__(self, sender: WeightSender, version: int) -> None:
+    def __init__(self, sender: WeightSender, version: int, adapter: LoraSpec | None = None) -> None:
         self.sender = sender
         self.version = version
+        self.adapter = adapter  # a LoRA adapter update: buckets go to /load_lora_adapter_from_distributed
         cfg = sender.config
         self.flattened = cfg.resolved_load_format(sender.backend) == "flattened_bucket"
         self.bucket_bytes = max(1, int(cfg.bucket_mb * 2**20))
@@ -284,7 +298,15 @@ class _Attempt:
             weight_version=str(self.version),
             load_format="flattened_bucket" if self.flattened else None,
         )
-        futures = {e.url: s.http.submit(e.url, protocol.UPDATE_DISTRIBUTED, body) for e in self.members}
+        path = protocol.UPDATE_DISTRIBUTED
+        if self.adapter is not None:
+            path = protocol.LOAD_LORA_DISTRIBUTED
+            body = {
+                **body,
+                "lora_name": cfg.adapter_name(self.version),
+                "config_dict": self.adapter.config_dict(),
+            }
+        futures = {e.url: s.http.submit(e.url, path, body) for e in self.members}
         payload = [bucket.flat] if self.flattened else bucket.tensors
         works = [s.group.broadcast(t, async_op=True) for t in payload]
         self.outstanding.append((futures, bucket.nbytes))
@@ -584,10 +606,10 @@ class WeightSender:
 
     # ------------------------------------------------------------------------------------- per update
 
-    def start_attempt(self, version: int) -> _Attempt:
+    def start_attempt(self, version: int, adapter: LoraSpec | None = None) -> _Attempt:
         if self.group is None and self.healthy:
             self.connect()
-        return _Attempt(self, version)
+        return _Attempt(self, version, adapter)
 
     def finish_attempt(self, attempt: _Attempt, state: _SyncState) -> bool:
         """Close an attempt; returns True when the model must be sent again (after a rebuild)."""
@@ -707,13 +729,24 @@ def sync_weights(
     version: int,
     sender: WeightSender | None,
     process_group: dist.ProcessGroup | None = None,
+    lora_sync: str = "adapter",
 ) -> SyncResult | None:
     """Send ``model``'s current weights to every engine as ``weight_version = str(version)``.
 
     Call on every learner rank (each takes part in the FSDP gathers); pass the ``WeightSender`` on rank 0 of
     ``process_group`` (default: the learner's default group) and None elsewhere. Returns the ``SyncResult`` on
     rank 0, None elsewhere. Never raises for an engine's failure: failed engines are in the result.
+
+    A model with LoRA layers sends, by ``lora_sync`` (``weight_sync.lora_sync``, the same on every rank):
+    ``adapter``, only the adapter tensors over the group (``/load_lora_adapter_from_distributed``); ``merged``,
+    every weight with the adapter merged in (any engine, SGLang without ``--enable-lora`` included);
+    ``adapter_path``, a PEFT adapter directory loaded by SGLang's ``/load_lora_adapter``
+    (:func:`sync_adapter_by_path`).
     """
+    spec = lora_spec(model)
+    if spec is not None and lora_sync == "adapter_path":
+        return sync_adapter_by_path(model, version, sender, spec)
+    adapter = spec if lora_sync == "adapter" else None
     t0 = time.perf_counter()
     state = _SyncState()
     dtype = None
@@ -724,9 +757,12 @@ def sync_weights(
         send_dtype = sender.config.send_dtype
         dtype = None if send_dtype == "auto" else getattr(torch, send_dtype)
     while True:
-        attempt = sender.start_attempt(version) if sender is not None else None
+        attempt = sender.start_attempt(version, adapter) if sender is not None else None
+        tensors = (
+            iter_adapter_tensors(model, dtype) if adapter is not None else iter_full_tensors(model, dtype)
+        )
         try:
-            for name, tensor in iter_full_tensors(model, dtype):
+            for name, tensor in tensors:
                 if attempt is not None:
                     attempt.add(name, tensor)
         finally:
@@ -747,5 +783,60 @@ def sync_weights(
         bytes=state.bytes,
         buckets=state.buckets,
         attempts=state.attempts,
+        quarantined=dict(sender.quarantined),
+    )
+
+
+def sync_adapter_by_path(
+    model: nn.Module, version: int, sender: WeightSender | None, spec: LoraSpec
+) -> SyncResult | None:
+    """SGLang's LoRA path: rank 0 writes the adapter as a PEFT directory under ``weight_sync.adapter_dir`` (a
+    filesystem every engine reads), each engine loads it with ``/load_lora_adapter`` as ``<lora_name>-v<N>``,
+    its ``weight_version`` label is set to ``N`` (a load does not change it), and adapters older than the
+    ``keep_adapters`` newest are unloaded. Requests select the adapter with ``lora_path = <lora_name>-v<N>``.
+
+    No pause: SGLang keeps each request on the adapter it started with, so nothing is half-updated. Every
+    learner rank calls this (the adapter tensors are gathered from the FSDP2 shards); rank 0 returns the result.
+    """
+    t0 = time.perf_counter()
+    named = list(iter_adapter_tensors(model))
+    if sender is None:
+        return None
+    cfg = sender.config
+    if not cfg.adapter_dir:
+        raise ValueError(
+            "weight_sync.lora_sync = 'adapter_path' needs weight_sync.adapter_dir (read by every engine)"
+        )
+    name = cfg.adapter_name(version)
+    path = write_peft_adapter(Path(cfg.adapter_dir) / name, named, spec)
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    urls = [e.url for e in sender.healthy]
+    failed: dict[str, str] = {}
+    loads = sender.http.call_all(urls, protocol.LOAD_LORA, protocol.load_lora_body(name, str(path)))
+    failed.update({u: f"{protocol.LOAD_LORA}: {r.describe()}" for u, r in loads.items() if not r.ok})
+    loaded = [u for u in urls if u not in failed]
+    label = protocol.update_weight_version_body(str(version), abort_all_requests=False)
+    labels = sender.http.call_all(loaded, protocol.UPDATE_WEIGHT_VERSION, label)
+    failed.update(
+        {u: f"{protocol.UPDATE_WEIGHT_VERSION}: {r.describe()}" for u, r in labels.items() if not r.ok}
+    )
+    ok = [u for u in loaded if u not in failed]
+    for url in ok:
+        sender.given[url] = str(version)
+    stale = version - cfg.keep_adapters
+    if stale >= 0:  # best effort: an older version may never have been loaded here (a restart, a skip)
+        sender.http.call_all(ok, protocol.UNLOAD_LORA, protocol.unload_lora_body(cfg.adapter_name(stale)))
+    if failed:
+        sender._quarantine(failed)
+    sender.syncs += 1
+    return SyncResult(
+        version=version,
+        engines_ok=ok,
+        engines_failed=failed,
+        seconds=time.perf_counter() - t0,
+        paused_seconds=0.0,
+        bytes=nbytes,
+        buckets=1 if ok else 0,
+        attempts=1,
         quarantined=dict(sender.quarantined),
     )

@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from rollout_fleet.engine.protocol import GenItem
 from rollout_fleet.engine.runner import ModelRunner
 from rollout_fleet.engine.scheduler import Scheduler, Sink
+from weight_sync.lora import AdapterApplier, LoraSpec
 
 log = logging.getLogger("streamrl.engine")
 
@@ -161,6 +162,9 @@ class Engine:
         self.chunked_prefill_size = chunked_prefill_size
         self.kv_block_size = kv_block_size
         self._param_by_name = dict(self.model.state_dict(keep_vars=True))
+        # LoRA adapters are merged into the served weights from a copy of each adapted base weight.
+        self.adapters = AdapterApplier(self._param_by_name)
+        self.lora_names: list[str] = []  # adapters loaded by name, newest last (SGLang's /load_lora_adapter)
         log.info(
             "loaded %s (%s, %.2fM parameters) on %s as %s in %.1f s; context %d tokens; KV cache %d tokens "
             "in blocks of %d (%.0f MiB at most)",
@@ -251,11 +255,44 @@ class Engine:
                         param.copy_(tensor.to(device=param.device, dtype=param.dtype))
             finally:  # even a partial copy makes the cached KV stale
                 self.scheduler.invalidate_prefix_cache()
+                self.adapters.forget(name for name, _ in tensors)  # full weights are the new base
             if weight_version is not None:
                 self.scheduler.set_weight_version(weight_version)
             return len(tensors)
 
         return self.call_in_scheduler(load, timeout)
+
+    def load_adapter(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        spec: LoraSpec,
+        weight_version: str | None = None,
+        timeout: float = 300.0,
+    ) -> int:
+        """Serve a LoRA adapter (``M.lora_A.weight`` / ``M.lora_B.weight`` per adapted layer): each layer's weight
+        becomes ``W_base + scaling * B @ A``, from the base it had before any adapter, so a new version replaces
+        the previous one. Runs between steps; names and shapes are checked before anything changes."""
+        tensors = list(named_tensors)
+
+        def load() -> int:
+            self.adapters.check(tensors, spec)
+            try:
+                return self.adapters.apply(tensors, spec)
+            finally:
+                self.scheduler.invalidate_prefix_cache()
+                if weight_version is not None:
+                    self.scheduler.set_weight_version(weight_version)
+
+        return self.call_in_scheduler(load, timeout)
+
+    def unload_adapter(self, timeout: float = 300.0) -> None:
+        """Serve the base weights again."""
+
+        def unload() -> None:
+            self.adapters.unload()
+            self.scheduler.invalidate_prefix_cache()
+
+        self.call_in_scheduler(unload, timeout)
 
     def _check_tensor(self, name: str, tensor: torch.Tensor) -> None:
         param = self._param_by_name.get(name)

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from weight_sync import protocol
 from weight_sync.engine_routes import read_json, reply, validation_error, weight_routes
+from weight_sync.lora import LoraSpec, read_peft_adapter
 from weight_sync.receiver import WeightReceiver, weights_checksum
 
 
@@ -43,11 +44,15 @@ def weight_sync_extension(timeout_s: float = 300.0):  # noqa: ANN201 - an Extens
         def load(named: Any) -> None:
             engine.load_weights(named, timeout=timeout_s)
 
+        def load_adapter(named: Any, spec: LoraSpec) -> None:
+            engine.load_adapter(named, spec, timeout=timeout_s)
+
         receiver = WeightReceiver(
             load,
             device=next(engine.model.parameters()).device,
             timeout_s=timeout_s,
             on_weight_version=lambda label: engine.set_weight_version(label, timeout=timeout_s),
+            load_adapter=load_adapter,
         )
         receiver.weight_version = engine.weight_version
         app.add_routes(weight_routes(receiver))
@@ -70,6 +75,40 @@ def weight_sync_extension(timeout_s: float = 300.0):  # noqa: ANN201 - an Extens
             )
             return web.json_response(payload, status=status)
 
+        async def load_lora(request: web.Request) -> web.Response:
+            """SGLang's ``/load_lora_adapter``: a PEFT adapter directory. The built-in engine serves one adapter
+            at a time, merged into its weights: the newest load wins, whatever ``lora_path`` a request names."""
+            try:
+                req = protocol.parse_load_lora(await read_json(request))
+            except ValueError as exc:
+                return validation_error(str(exc))
+            try:
+                named, spec = await asyncio.to_thread(read_peft_adapter, req.lora_path)
+                await asyncio.to_thread(engine.load_adapter, named, spec, None, timeout_s)
+            except Exception as exc:  # checked before anything changes: the served adapter stays
+                return lora_reply(False, f"Failed to load LoRA adapter {req.lora_name}: {exc}")
+            engine.lora_names = [n for n in engine.lora_names if n != req.lora_name] + [req.lora_name]
+            receiver.mark_consistent()
+            return lora_reply(True)
+
+        async def unload_lora(request: web.Request) -> web.Response:
+            try:
+                name = protocol.parse_unload_lora(await read_json(request))
+            except ValueError as exc:
+                return validation_error(str(exc))
+            if name not in engine.lora_names:
+                return lora_reply(False, f"LoRA adapter {name} is not loaded")
+            if name == engine.lora_names[-1]:  # the one being served: back to the base weights
+                await asyncio.to_thread(engine.unload_adapter, timeout_s)
+            engine.lora_names.remove(name)
+            return lora_reply(True)
+
+        def lora_reply(success: bool, error: str | None = None) -> web.Response:
+            """SGLang's ``LoRAUpdateOutput``: 200 or 400 with ``success``, ``error_message``, the loaded names."""
+            loaded = {n: {"lora_name": n} for n in engine.lora_names}
+            body = {"success": success, "error_message": error, "loaded_adapters": loaded}
+            return web.json_response(body, status=200 if success else 400)
+
         async def get_weights(request: web.Request) -> web.Response:
             try:
                 body = await read_json(request)
@@ -88,6 +127,8 @@ def weight_sync_extension(timeout_s: float = 300.0):  # noqa: ANN201 - an Extens
         app.add_routes(
             [
                 web.post(protocol.UPDATE_FROM_DISK, update_from_disk),
+                web.post(protocol.LOAD_LORA, load_lora),
+                web.post(protocol.UNLOAD_LORA, unload_lora),
                 web.route("*", protocol.GET_WEIGHTS_BY_NAME, get_weights),
                 web.route("*", "/weights_checker", checksum),
             ]
