@@ -11,6 +11,8 @@ from broker.configlib import Section
 PolicyLossName = Literal["ppo", "decoupled_ppo", "tis", "icepop", "gspo"]
 Aggregation = Literal["token-mean", "seq-mean", "seq-mean-token-sum"]
 MixedPrecision = Literal["auto", "off", "bf16"]
+KlEstimator = Literal["k1", "k2", "k3"]
+LrSchedule = Literal["constant", "linear", "cosine"]
 
 
 class LossConfig(Section):
@@ -31,7 +33,10 @@ class LossConfig(Section):
         0.28, ge=0, description="PPO clip above: ratio <= 1 + eps_high (clip-higher when > eps_low)."
     )
     dual_clip: float | None = Field(
-        None, gt=1, description="Dual-clip bound c: a negative-advantage token's loss is at most c * |A|."
+        3.0,
+        gt=1,
+        description="Dual-clip bound c: a negative-advantage token's loss is at most c * |A| (None: off). "
+        "It bounds what one stale token can contribute when the ratio runs away (ppo, gspo at eta > 0).",
     )
     is_level: Literal["token", "sequence"] = Field(
         "token",
@@ -48,8 +53,25 @@ class LossConfig(Section):
     icepop_high: float = Field(5.0, gt=0, description="icepop: weights above this are zeroed.")
     gspo_eps_low: float = Field(3e-4, ge=0, lt=1, description="gspo: clip of the sequence ratio below.")
     gspo_eps_high: float = Field(4e-4, ge=0, description="gspo: clip of the sequence ratio above.")
+    gspo_log_ratio_cap: float = Field(
+        1.0, gt=0, description="gspo: the sequence log-ratio to mu is capped at +-this (ratio <= e^cap)."
+    )
     kl_coef: float = Field(
-        0.0, ge=0, description="Weight of the k3 KL to the frozen reference; 0 disables it."
+        0.0,
+        ge=0,
+        description="Weight of the KL to the frozen reference model (the initial policy); 0: no reference.",
+    )
+    kl_estimator: KlEstimator = Field(
+        "k3",
+        description="Per-token KL estimator: k1 (log-ratio), k2 (half its square) or k3 (unbiased, >= 0).",
+    )
+    kl_mode: Literal["loss", "reward"] = Field(
+        "loss",
+        description="loss: kl_coef * KL(pi || ref) added to the loss per token; reward: kl_coef * the summed "
+        "KL of the behaviour tokens subtracted from each sample's reward before advantages.",
+    )
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Entropy bonus: -entropy_coef * the mean token entropy added to the loss."
     )
     log_ratio_clamp: float = Field(
         20.0, gt=0, description="Log-ratios are clamped to +-this before exp, so staleness never gives inf."
@@ -76,6 +98,37 @@ class AdvantageConfig(Section):
     drop_zero_signal: bool = Field(
         False, description="DAPO dynamic sampling: drop (and count) groups whose rewards are all equal."
     )
+
+
+QWEN2_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSection(Section):
+    """LoRA adapters (peft) trained under FSDP2 on a frozen base; engines get only the adapter (docs/lora.md)."""
+
+    rank: int = Field(
+        0, ge=0, description="LoRA rank r of every adapted projection; 0 trains the full model."
+    )
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input while training.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(QWEN2_PROJECTIONS),
+        description="Linear layers (by leaf name) that get an adapter: Qwen2's attention and MLP projections.",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @model_validator(mode="after")
+    def _check_targets(self) -> LoraSection:
+        names = self.target_modules
+        bad = [n for n in names if not n.isidentifier()]
+        if self.enabled and (not names or bad or len(set(names)) != len(names)):
+            raise ValueError(
+                f"target_modules = {names!r}: expected distinct module leaf names such as {list(QWEN2_PROJECTIONS)}"
+            )
+        return self
 
 
 class LearnerConfig(Section):
@@ -117,7 +170,7 @@ class LearnerConfig(Section):
         True,
         description="Do not run samples whose advantage is 0 on every loss token (all-equal-reward groups): "
         "their gradient is exactly 0 and the normaliser still counts them, so the update is unchanged; "
-        "entropy, clip and KL metrics then cover the trained samples only. Off when loss.kl_coef > 0.",
+        "entropy, clip and KL metrics then cover the trained samples only. Off with a reference KL or an entropy bonus.",
     )
     intake_order: Literal["oldest_first", "arrival"] = Field(
         "oldest_first",
@@ -128,6 +181,9 @@ class LearnerConfig(Section):
     advantage: AdvantageConfig = Field(
         default_factory=AdvantageConfig, description="Advantage estimator and dynamic sampling."
     )
+    lora: LoraSection = Field(
+        default_factory=LoraSection, description="LoRA adapters instead of full fine-tuning (rank 0: off)."
+    )
     max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps; 0 runs until stopped.")
     publish_every: int = Field(1, ge=1, description="Publish (sync) weights every k optimizer steps.")
     snapshot_every: int = Field(
@@ -136,7 +192,28 @@ class LearnerConfig(Section):
         description="Export a Hugging Face snapshot every k steps to RUN_DIR/snapshots/step-N (learning curves); 0: off.",
     )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
-    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps, then constant.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up over this many steps.")
+    lr_schedule: LrSchedule = Field(
+        "constant",
+        description="After warm-up: constant, or linear / cosine decay to min_lr_ratio * lr at lr_decay_steps.",
+    )
+    lr_decay_steps: int = Field(
+        0,
+        ge=0,
+        description="Step at which a linear or cosine decay reaches its floor; 0: learner.max_steps.",
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="Floor of a decaying learning rate, as a fraction of lr."
+    )
+    ppo_minibatches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer updates per step: the step's groups split into this many minibatches, each its "
+        "own update, all clipped against the proximal policy (the weights before the step's first update).",
+    )
+    ppo_epochs: int = Field(
+        1, ge=1, description="Passes over the step's minibatches (updates per step = minibatches x epochs)."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     keep_checkpoints: int = Field(3, ge=1, description="How many complete checkpoints to keep.")
@@ -181,11 +258,20 @@ class LearnerConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _check_reference_model(self) -> LearnerConfig:
-        # The loss functions take a reference log-prob, but the learner loads no reference model yet: a k3 KL
-        # term would fail at the first step instead of here.
-        if self.loss.kl_coef > 0:
+    def _check_trust_region(self) -> LearnerConfig:
+        if self.ppo_minibatches > self.groups_per_step:
             raise ValueError(
-                f"loss.kl_coef = {self.loss.kl_coef}: the learner does not load a reference model yet; set it to 0"
+                f"ppo_minibatches = {self.ppo_minibatches} exceeds groups_per_step = {self.groups_per_step}: "
+                "each minibatch needs at least one group"
+            )
+        if self.lr_schedule != "constant" and self.max_steps == 0 and self.lr_decay_steps == 0:
+            raise ValueError(
+                f"lr_schedule = {self.lr_schedule!r} decays to its floor at lr_decay_steps, which defaults to "
+                "max_steps; both are 0 (run until stopped): set lr_decay_steps"
             )
         return self
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates in one learner step (one batch of groups)."""
+        return self.ppo_minibatches * self.ppo_epochs

@@ -1,6 +1,6 @@
 """Log-probs and entropy of sampled tokens from final hidden states, without ever holding ``[tokens, vocab]``.
 
-The policy loss needs, per trained token, ``log softmax(logits / T)[target]`` and (as a metric) the entropy of
+The policy loss needs, per trained token, ``log softmax(logits / T)[target]`` and (a metric, or an entropy bonus) the entropy of
 that tempered distribution. Materialising the logits of a whole micro-batch costs ``N x V`` floats, several
 times over (logits, the tempered copy, the log-softmax and its gradient): 10 GB per copy for one 16k-token
 sequence with a 152k vocabulary. :func:`token_logprobs` instead runs the lm-head, log-softmax, gather and
@@ -32,7 +32,7 @@ def _tempered_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temper
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """Chunked lm-head + log-softmax + gather (+ entropy, no gradient); see :func:`token_logprobs`."""
+    """Chunked lm-head + log-softmax + gather + entropy; see :func:`token_logprobs`."""
 
     @staticmethod
     def forward(
@@ -57,25 +57,37 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             # H = lse - sum_v p_v z_v; a batched dot product, so no third [c, V] block is made
             entropy[s:e] = lse[s:e] - (p[:, None, :] @ z[:, :, None]).flatten()
             del z, p
-        ctx.save_for_backward(hidden, weight, bias, targets, temperature, lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, temperature, lse, entropy)
         ctx.chunk = chunk
-        ctx.mark_non_differentiable(entropy)
+        # an output the loss does not use gets None, not a zero tensor: the entropy term is then skipped
+        ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad_logp: Tensor, _grad_entropy: Tensor) -> tuple[Tensor | None, ...]:
-        hidden, weight, bias, targets, temperature, lse = ctx.saved_tensors
+    def backward(
+        ctx: FunctionCtx, grad_logp: Tensor | None, grad_entropy: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, targets, temperature, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n, chunk = hidden.shape[0], ctx.chunk
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
         grad_h = torch.zeros_like(hidden) if need_h else None
         # accumulated over chunks in float32 whatever the weight's dtype, cast once at the end
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            g = grad_logp[s:e].float() / temperature[s:e]  # d/dlogits = (onehot - softmax) * g / T
-            d = _tempered_logits(hidden[s:e], weight, bias, temperature[s:e])
-            d.sub_(lse[s:e, None]).exp_().mul_(-g[:, None])
+            g = grad_logp[s:e].float() / temperature[s:e]  # d logp / dlogits = (onehot - softmax) / T
+            d = _tempered_logits(hidden[s:e], weight, bias, temperature[s:e]).sub_(lse[s:e, None])  # log p
+            if grad_entropy is not None:
+                # dH/dz_v = -p_v (log p_v + H): folded into one [c, V] block with the log-prob term
+                ge = grad_entropy[s:e].float() / temperature[s:e]
+                p = d.exp()
+                d.add_(entropy[s:e, None]).mul_(-ge[:, None]).sub_(g[:, None]).mul_(p)
+                del p
+            else:
+                d.exp_().mul_(-g[:, None])
             d[torch.arange(e - s, device=d.device), targets[s:e]] += g
             if grad_h is not None:
                 grad_h[s:e] = d.to(weight.dtype) @ weight  # cast to hidden's dtype by the copy
@@ -108,7 +120,8 @@ def token_logprobs(
     ``weight [V, H]`` and ``bias [V] | None``: the lm-head; ``targets`` long ``[N]``; ``temperature [N]``
     (> 0) per token. Returns float32 ``(logp [N], entropy [N])`` with ``logp = log_softmax(z)[target]`` and
     ``entropy = -sum softmax(z) log_softmax(z)`` for ``z = (hidden @ weight.T + bias) / temperature``.
-    ``logp`` carries gradients to ``hidden``, ``weight`` and ``bias``; ``entropy`` is a metric, without one.
+    Both carry gradients to ``hidden``, ``weight`` and ``bias`` (the entropy's for an entropy bonus; a loss
+    that leaves it out pays nothing for it in backward).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens = {chunk_tokens} must be at least 1")

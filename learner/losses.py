@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from learner.config import Aggregation, LossConfig
+from learner.config import Aggregation, KlEstimator, LossConfig
 
 LossOutput = tuple[Tensor, dict[str, Tensor]]
 PolicyLossFn = Callable[..., LossOutput]
@@ -207,6 +207,43 @@ def _behaviour_weight(log_w: Tensor, valid: Tensor, config: LossConfig) -> Tenso
     return torch.exp(log_w)
 
 
+def kl_penalty(logp: Tensor, logp_ref: Tensor, estimator: KlEstimator, clamp: float = 20.0) -> Tensor:
+    """Per-token estimate of KL(pi || ref) from tokens sampled by (approximately) pi, ``[B, T]`` -> ``[B, T]``.
+
+    With ``d = log pi - log ref`` (clamped to ``+-clamp``), Schulman's estimators:
+
+    - ``k1 = d``: unbiased, can be negative per token; its gradient is ``grad log pi`` (it pushes down every
+      token's log-prob in proportion to nothing but the sign of the coefficient), so as a loss it is weak;
+    - ``k2 = d^2 / 2``: biased, low variance, always >= 0; gradient ``d * grad log pi``;
+    - ``k3 = exp(-d) + d - 1``: unbiased, always >= 0; gradient ``(1 - exp(-d)) * grad log pi``.
+
+    ``logp`` carries the gradient; ``logp_ref`` is data.
+    """
+    d = (logp - logp_ref.detach()).clamp(-clamp, clamp)
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.exp(-d) + d - 1.0
+    raise ValueError(f"loss.kl_estimator = {estimator!r} is not k1, k2 or k3")
+
+
+def entropy_bonus(
+    entropy: Tensor, mask: Tensor, config: LossConfig, normaliser: Tensor | float | int | None = None
+) -> Tensor:
+    """``-entropy_coef * aggregate(entropy)``: added to the loss, it rewards a flatter policy.
+
+    ``entropy [B, T]`` (with gradient) is each trained token's tempered entropy; aggregated like the policy
+    loss (same mode, same global ``normaliser``), so micro-batch contributions sum to the batch's.
+    """
+    if entropy.shape != mask.shape:
+        raise ValueError(f"entropy has shape {tuple(entropy.shape)}, expected {tuple(mask.shape)} like mask")
+    valid = mask.bool()
+    clean = torch.where(valid, entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device))
+    return -config.entropy_coef * aggregate(clean, valid, config.aggregation, normaliser, config.norm_length)
+
+
 def _finish(
     x: _Inputs,
     pg_per_token: Tensor,
@@ -214,17 +251,17 @@ def _finish(
     normaliser: Tensor | float | int | None,
     metrics: dict[str, Tensor],
 ) -> LossOutput:
-    """Add the reference KL, aggregate, and attach the metrics every loss reports."""
+    """Add the reference KL (``kl_mode = loss``), aggregate, and attach the metrics every loss reports."""
     per_token = pg_per_token
     kl_ref = torch.zeros((), dtype=x.new.dtype, device=x.new.device)
-    if config.kl_coef > 0:
+    if config.kl_coef > 0 and config.kl_mode == "loss":
         if x.ref is None:
             raise ValueError(f"loss.kl_coef = {config.kl_coef} needs logp_ref, which was not given")
-        # k3 estimator of KL(pi || ref): exp(ref - new) - (ref - new) - 1 >= 0, unbiased for samples of pi.
-        d = _log_ratio(x.ref, x.new, config)
-        kl_tok = torch.exp(d) - d - 1.0
+        kl_tok = kl_penalty(x.new, x.ref, config.kl_estimator, config.log_ratio_clamp)
         per_token = per_token + config.kl_coef * kl_tok
         kl_ref = _masked_mean(kl_tok.detach(), x.valid)
+    elif x.ref is not None:  # reported even when the KL is a reward penalty or off
+        kl_ref = _masked_mean(kl_penalty(x.new.detach(), x.ref, config.kl_estimator), x.valid)
     loss = aggregate(per_token, x.valid, config.aggregation, normaliser, config.norm_length)
     pg_loss = aggregate(pg_per_token.detach(), x.valid, config.aggregation, normaliser, config.norm_length)
     lr = _log_ratio(x.new.detach(), x.behaviour, config)
@@ -394,13 +431,15 @@ def gspo_loss(
     """GSPO: sequence ratio ``s = exp(mean_t log(pi / mu))``, loss ``-min(s A, clip(s) A)`` per sequence.
 
     The ratio is to the behaviour policy ``mu`` (``logp_proximal`` is ignored, as in :func:`ppo_loss`), so the
-    sequence clip is what bounds stale samples. ``A`` is the sequence's advantage
+    sequence clip is what bounds stale samples. The sequence log-ratio is capped at ``+-gspo_log_ratio_cap``:
+    a sequence that far from ``mu`` is far outside the clip (no gradient either way), and the cap bounds its
+    loss value at ``e^cap |A|`` (with the dual clip, at ``min(e^cap, c) |A|``). ``A`` is the sequence's advantage
     (the row mean of per-token advantages). Clipped with ``gspo_eps_low / gspo_eps_high``. Each valid token
     carries its sequence's loss, so ``seq-mean`` aggregation is the GSPO paper's objective and ``token-mean``
     weights sequences by their length.
     """
     x = _prepare(logp_new, logp_behaviour, None, advantages, mask, logp_ref)
-    c = config.log_ratio_clamp
+    c = config.gspo_log_ratio_cap
     seq_log_ratio = _row_mean(_log_ratio(x.new, x.behaviour, config), x.valid).clamp(-c, c)
     ratio = torch.exp(seq_log_ratio)[:, None]
     adv = _row_mean(x.adv, x.valid)[:, None]

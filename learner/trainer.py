@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -41,9 +42,11 @@ from learner.intake import (
     run_coroutine,
     sequence_limit,
 )
-from learner.packing import MicroBatch, StepInputs, TrainSequence, step_inputs
+from learner.lora import apply_lora, trainable_parameters
+from learner.packing import StepInputs, TrainSequence, step_inputs
 from learner.publish import Publication
-from learner.step import train_step
+from learner.schedule import lr_multiplier
+from learner.step import RewardPenalty, UpdateInputs, train_batch
 
 log = logging.getLogger("streamrl.learner")
 
@@ -66,9 +69,8 @@ class StepPayload:
     stop: bool
     idle: bool = False  # no batch yet: the ranks just loop (keeps collectives inside their timeout)
     resync: bool = False  # idle, and an engine needs the current weights (it came back, or a sync failed)
-    micro_batches: list[MicroBatch] = field(default_factory=list)
-    temperatures: list[torch.Tensor] = field(default_factory=list)
-    normaliser: float = 1.0
+    updates: list[UpdateInputs] = field(default_factory=list)  # this rank's, one per minibatch
+    penalty: RewardPenalty | None = None  # loss.kl_mode = reward: rewards and groups to recompute advantages
     learner_version: int = 0
     checkpoint: bool = False
 
@@ -100,9 +102,9 @@ def build_sequences(
 
 
 def skips_zero_gradient(config: LearnerConfig) -> bool:
-    """Whether a step leaves out the samples that carry no gradient: asked for, and no reference KL (whose
-    gradient does not vanish with the advantage)."""
-    return config.skip_zero_gradient and config.loss.kl_coef == 0
+    """Whether a step leaves out the samples that carry no gradient: asked for, no reference KL and no entropy
+    bonus (whose gradients do not vanish with the advantage)."""
+    return config.skip_zero_gradient and config.loss.kl_coef == 0 and config.loss.entropy_coef == 0
 
 
 def plan_step_inputs(
@@ -119,6 +121,44 @@ def plan_step_inputs(
         skip_zero_gradient=skips_zero_gradient(config),
         varlen=config.varlen,
     )
+
+
+def minibatch_groups(num_groups: int, minibatches: int) -> list[list[int]]:
+    """Group positions of each minibatch: round-robin over the step's groups, which the intake orders oldest
+    first, so every minibatch gets old and fresh groups alike."""
+    return [list(range(m, num_groups, minibatches)) for m in range(minibatches)]
+
+
+def plan_updates(
+    groups: list[TrajectoryGroup], config: LearnerConfig, world_size: int
+) -> tuple[list[list[UpdateInputs]], list[StepInputs], RewardPenalty | None]:
+    """The step's updates per rank (``[rank][minibatch]``), the plan of each minibatch, and the reward penalty's
+    inputs when the reference KL is a reward penalty."""
+    seqs, temps = build_sequences(groups, config)
+    sizes = [len(g.samples) for g in groups]
+    starts = [0, *accumulate(sizes)][:-1]  # build_sequences lays each group's samples out consecutively
+    members = [list(range(start, start + n)) for start, n in zip(starts, sizes, strict=True)]
+    plans = []
+    for positions in minibatch_groups(len(groups), config.ppo_minibatches):
+        subset = [seqs[i] for g in positions for i in members[g]]
+        plans.append(plan_step_inputs(subset, temps, config, world_size))
+    per_rank = [
+        [
+            UpdateInputs(
+                plan.micro_batches[rank],
+                plan.temperatures[rank],
+                plan.normaliser,
+                trained=any(not mb.is_empty for mbs in plan.micro_batches for mb in mbs),
+            )
+            for plan in plans
+        ]
+        for rank in range(world_size)
+    ]
+    penalty = None
+    if config.loss.kl_coef > 0 and config.loss.kl_mode == "reward":
+        rewards = [s.reward for g in groups for s in g.samples]
+        penalty = RewardPenalty(rewards=rewards, groups=members)
+    return per_rank, plans, penalty
 
 
 def batch_metrics(
@@ -182,6 +222,7 @@ class Learner:
         self._last_resync_check = 0.0
         self._last_publish_metrics: dict[str, float] = {}  # the latest sync's, logged with the next step
         self.model, self.optimizer, self.scheduler = self._build_model()
+        self.ref_model = self._build_reference() if config.loss.kl_coef > 0 else None
         # refused here, on every rank, when impossible; rank 0's intake drops groups with longer samples
         model_context = getattr(self.model.config, "max_position_embeddings", None)
         self.max_seq_len = sequence_limit(config.max_seq_len, model_context)
@@ -199,19 +240,33 @@ class Learner:
             dtype=torch.float32,
             attn_implementation=register_packed_attention(),
         )
+        model = apply_lora(model, self.config.lora)  # before sharding: FSDP2 shards the frozen base too
         model.to(self.info.device)
         model = shard_model(
             model, self.info.device, self.config.activation_checkpointing, self.config.mixed_precision
         )
         optimizer = torch.optim.AdamW(
-            model.parameters(),
+            trainable_parameters(model),  # with LoRA, the adapters only
             lr=self.config.lr,
             betas=self.config.betas,
             weight_decay=self.config.weight_decay,
         )
-        warmup = self.config.warmup_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+        config = self.config
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, config))
         return model, optimizer, scheduler
+
+    def _build_reference(self) -> nn.Module:
+        """The frozen reference policy for the KL: the initial weights (shared.model_path), sharded with FSDP2
+        like the policy, without gradients, never updated or checkpointed (it is the model directory)."""
+        from transformers import AutoModelForCausalLM
+
+        ref = AutoModelForCausalLM.from_pretrained(
+            self.shared.model_path, dtype=torch.float32, attn_implementation=register_packed_attention()
+        )
+        ref.requires_grad_(False)
+        ref.eval()
+        ref.to(self.info.device)
+        return shard_model(ref, self.info.device, False, self.config.mixed_precision)
 
     def _start_redis_side(self) -> None:
         """Rank 0: an event loop thread owning the Redis client, consumer, version, metrics and admission."""
@@ -378,9 +433,8 @@ class Learner:
         return self._scatter(self._payloads(batch))
 
     def _payloads(self, batch: StepBatch) -> list[StepPayload]:
-        seqs, temps = build_sequences(batch.groups, self.config)
-        inputs = plan_step_inputs(seqs, temps, self.config, self.info.world_size)
-        self._skipped = (inputs.skipped, inputs.skipped_tokens)
+        per_rank, plans, penalty = plan_updates(batch.groups, self.config, self.info.world_size)
+        self._skipped = (sum(p.skipped for p in plans), sum(p.skipped_tokens for p in plans))
         due = self.step + 1
         checkpoint = due % self.config.checkpoint_every == 0 or (
             time.monotonic() - self._last_checkpoint_time > self.config.checkpoint_interval_s
@@ -388,13 +442,12 @@ class Learner:
         return [
             StepPayload(
                 stop=False,
-                micro_batches=mbs,
-                temperatures=rank_temps,
-                normaliser=inputs.normaliser,
+                updates=updates,
+                penalty=penalty,
                 learner_version=batch.learner_version,
                 checkpoint=checkpoint,
             )
-            for mbs, rank_temps in zip(inputs.micro_batches, inputs.temperatures, strict=True)
+            for updates in per_rank
         ]
 
     def _scatter(self, payloads: list[StepPayload] | None) -> StepPayload:
@@ -406,10 +459,15 @@ class Learner:
         return out[0]
 
     def _train(self, payload: StepPayload) -> None:
-        mbs = [mb.to(self.info.device) for mb in payload.micro_batches]
-        temps = [t.to(self.info.device) for t in payload.temperatures]
-        result = train_step(
-            self.model, self.optimizer, mbs, temps, self.config, payload.normaliser, payload.learner_version
+        updates = [u.to(self.info.device) for u in payload.updates]
+        result = train_batch(
+            self.model,
+            self.optimizer,
+            updates,
+            self.config,
+            payload.learner_version,
+            ref_model=self.ref_model,
+            penalty=payload.penalty,
         )
         if not result.applied:
             self.skipped_steps += 1

@@ -30,5 +30,5 @@ def full_token_logprobs(
 ) -> tuple[Tensor, Tensor]:
     """``learner.logprobs.token_logprobs`` through the full ``[N, V]`` logits: ``(logp [N], entropy [N])``."""
     logp_all = torch.log_softmax(F.linear(hidden, weight, bias).float() / temperature[:, None], dim=-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1).detach()
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp_all.gather(1, targets[:, None]).squeeze(1), entropy

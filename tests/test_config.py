@@ -157,7 +157,10 @@ def test_engine_refuses_a_core_it_does_not_have(tmp_path) -> None:
     assert "engine.cpu_affinity = [4096]" in proc.stderr + proc.stdout
 
 
-def test_learner_rejects_a_kl_term_it_has_no_reference_model_for() -> None:
-    with pytest.raises(ConfigError, match=r"kl_coef = 0.1"):
-        load_config(StreamRLConfig, ["--learner.loss.kl_coef=0.1"])
-    assert load_config(StreamRLConfig, ["--learner.loss.kl_coef=0"]).learner.loss.kl_coef == 0
+def test_reference_kl_options_are_checked_by_name() -> None:
+    cfg = load_config(StreamRLConfig, ["--learner.loss.kl_coef=0.1", "--learner.loss.kl_estimator=k2"])
+    assert cfg.learner.loss.kl_coef == 0.1 and cfg.learner.loss.kl_estimator == "k2"
+    with pytest.raises(ConfigError, match=r"kl_estimator"):
+        load_config(StreamRLConfig, ["--learner.loss.kl_estimator=k4"])
+    with pytest.raises(ConfigError, match=r"kl_mode"):
+        load_config(StreamRLConfig, ["--learner.loss.kl_mode=advantage"])

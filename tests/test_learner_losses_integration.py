@@ -56,3 +56,39 @@ def test_each_policy_loss_trains_one_step(
     assert metrics["step_applied"] == 1.0 and metrics["skipped_steps"] == 0.0
     assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
     assert metrics["samples"] == 4.0
+
+
+@pytest.mark.parametrize("kl_mode", ["loss", "reward"])
+def test_trust_region_reference_kl_entropy_and_schedule_on_two_ranks(
+    kl_mode: str, tmp_path: Path, redis_url: str
+) -> None:
+    """Two gloo ranks, two minibatches per step (proximal pass, then two updates), the FSDP2-sharded frozen
+    reference and an entropy bonus, under a cosine schedule: every collective lines up, the reference KL is
+    positive (the second update of the first step already runs on moved weights), and the learning rate decays.
+    As a reward penalty the KL is 0 at the first step: its tokens were sampled by the reference itself."""
+    model_dir = init_tiny_model(tmp_path / "model")
+    groups = sample_groups(str(model_dir), 4, 2, version=0, max_new_tokens=8)
+    for group in groups:
+        for i, sample in enumerate(group.samples):
+            sample.reward = float(i % 2)
+            sample.reward_components = {"correct": sample.reward}
+    produce(redis_url, groups)
+    proc = start_learner(
+        tmp_path, redis_url, model_dir, "--learner.groups_per_step=2", "--learner.max_steps=2",
+        "--learner.export_hf=false", "--learner.ppo_minibatches=2", "--learner.lr=0.05",
+        "--learner.lr_schedule=cosine", "--learner.lr_decay_steps=2", "--learner.loss.kl_coef=0.5",
+        f"--learner.loss.kl_mode={kl_mode}", "--learner.loss.entropy_coef=0.01",
+    )  # fmt: skip
+    out, _ = proc.communicate(timeout=80)
+    assert proc.returncode == 0, out
+    client = redis.Redis.from_url(redis_url)
+    points = client.xrange(metrics_key(SharedConfig(run_id="test"), "learner"))
+    steps = [{k.decode(): float(v) for k, v in p[1].items()} for p in points]
+    assert [m["step"] for m in steps] == [1.0, 2.0]
+    assert [m["updates_taken"] for m in steps] == [2.0, 2.0]
+    assert all(m["kl_ref"] > 1e-6 for m in steps)
+    # cosine over 2 steps: the first step runs at lr (factor 1), the second at half of it
+    assert [m["lr"] for m in steps] == pytest.approx([0.025, 0.0])
+    assert all(math.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in steps)
+    if kl_mode == "reward":
+        assert steps[0]["kl_reward_penalty"] == pytest.approx(0.0, abs=1e-6)

@@ -27,7 +27,7 @@ def test_by_hand() -> None:
     torch.testing.assert_close(logp, torch.tensor([math.log(0.75), math.log(q)]))
     ent = [-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), -(q * math.log(q) + (1 - q) * math.log(1 - q))]
     torch.testing.assert_close(entropy, torch.tensor(ent))
-    assert not entropy.requires_grad
+    assert entropy.requires_grad
     logp[0].backward()  # d logp / d logits = onehot - p = [-0.25, 0.25]
     torch.testing.assert_close(h.grad, torch.tensor([[0.25 * math.log(3.0)], [0.0]]))
     torch.testing.assert_close(w.grad, torch.tensor([[-0.25], [0.25]]))
@@ -45,11 +45,15 @@ def _case(n: int, v: int = 50, h: int = 8, bias: bool = True, seed: int = 0):  #
     return hidden, weight, b, targets, temps, upstream
 
 
-def _grads(fn, hidden, weight, bias, targets, temps, upstream):  # noqa: ANN001, ANN202
+def _grads(fn, hidden, weight, bias, targets, temps, upstream, entropy_weight=None):  # noqa: ANN001, ANN202
+    """Values and the gradients of ``sum(upstream * logp) (+ sum(entropy_weight * entropy))``."""
     leaves = [x.clone().requires_grad_() for x in (hidden, weight) + ((bias,) if bias is not None else ())]
     logp, entropy = fn(leaves[0], leaves[1], leaves[2] if bias is not None else None, targets, temps)
-    (logp * upstream).sum().backward()
-    return logp.detach(), entropy, [x.grad for x in leaves]
+    loss = (logp * upstream).sum()
+    if entropy_weight is not None:
+        loss = loss + (entropy * entropy_weight).sum()
+    loss.backward()
+    return logp.detach(), entropy.detach(), [x.grad for x in leaves]
 
 
 @pytest.mark.parametrize(
@@ -65,6 +69,33 @@ def test_equals_the_full_logits_path(n: int, chunk: int, bias: bool) -> None:
     for g, w in zip(got[2], want[2], strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
     assert all(float(g.abs().max()) > 1e-3 for g in got[2])  # the gradients are not trivially zero
+
+
+@pytest.mark.parametrize("n,chunk,bias", [(37, 8, True), (5, 1, False), (16, 64, True)])
+def test_entropy_gradient_equals_the_full_logits_path(n: int, chunk: int, bias: bool) -> None:
+    """An entropy bonus differentiates the entropy output too: dH/dz = -p (log p + H), per chunk."""
+    case = _case(n, bias=bias, seed=3 * n + chunk)
+    weight_h = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    want = _grads(full_token_logprobs, *case, entropy_weight=weight_h)
+    got = _grads(lambda *a: token_logprobs(*a, chunk_tokens=chunk), *case, entropy_weight=weight_h)
+    only_logp = _grads(lambda *a: token_logprobs(*a, chunk_tokens=chunk), *case)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
+    for g, w, lp in zip(got[2], want[2], only_logp[2], strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)  # float32 rounding of gradients near 5
+        assert float((g - lp).abs().max()) > 1e-3  # the entropy term changed the gradient
+
+
+def test_entropy_gradient_by_hand() -> None:
+    # logits [0, ln 3]: p = [1/4, 3/4], H = -(p0 log p0 + p1 log p1); dH/dz_v = -p_v (log p_v + H)
+    h = torch.tensor([[1.0]], requires_grad=True)
+    w = torch.tensor([[0.0], [math.log(3.0)]], requires_grad=True)
+    _, entropy = token_logprobs(h, w, None, torch.tensor([1]), torch.tensor([1.0]), chunk_tokens=1)
+    entropy.sum().backward()
+    p = [0.25, 0.75]
+    big_h = -sum(q * math.log(q) for q in p)
+    dz = [-q * (math.log(q) + big_h) for q in p]
+    torch.testing.assert_close(w.grad, torch.tensor([[dz[0]], [dz[1]]]))  # dz/dw_v = h = 1
+    torch.testing.assert_close(h.grad, torch.tensor([[dz[1] * math.log(3.0)]]))
 
 
 def test_no_tokens_gives_empty_outputs_and_zero_gradients() -> None:

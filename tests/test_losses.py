@@ -104,8 +104,9 @@ def test_dual_clip_bounds_negative_advantage() -> None:
     close(loss, 3.0)
     close(new.grad, [[0.0]])
     close(m["dual_clip_frac"], 1.0)
+    assert LossConfig().dual_clip == 3.0  # on by default
     new2 = leaf([[ln(10.0)]])
-    loss2, _ = ppo_loss(new2, t([[0.0]]), None, t([[-1.0]]), torch.ones(1, 1), LossConfig())
+    loss2, _ = ppo_loss(new2, t([[0.0]]), None, t([[-1.0]]), torch.ones(1, 1), LossConfig(dual_clip=None))
     loss2.backward()
     close(loss2, 10.0)
     close(new2.grad, [[10.0]])
@@ -176,9 +177,11 @@ def test_decoupled_ppo_without_proximal_is_ppo_on_behaviour() -> None:
     a, _ = decoupled_ppo_loss(new, mu, None, adv, torch.ones(1, 3), LossConfig())
     b, _ = ppo_loss(new, mu, None, adv, torch.ones(1, 3), LossConfig())
     close(a, b.item())
-    # here r = new / mu = [2.2, 4, 9.6] are all clipped for A > 0 and unclipped for A < 0:
-    # [-1.28, +4.0, -0.64] / 3 = 2.08 / 3 = 0.6933333
-    close(a, 0.6933333)
+    # here r = new / mu = [2.2, 4, 9.6] are all clipped for A > 0 and unclipped for A < 0, where the default
+    # dual clip c = 3 bounds -A r = 4 to 3: [-1.28, +3.0, -0.64] / 3 = 1.08 / 3 = 0.36
+    close(a, 0.36)
+    c, _ = decoupled_ppo_loss(new, mu, None, adv, torch.ones(1, 3), LossConfig(dual_clip=None))
+    close(c, 2.08 / 3)  # without it: [-1.28, +4.0, -0.64] / 3
 
 
 # ---------------------------------------------------------------- TIS
@@ -434,9 +437,11 @@ def test_extreme_ratio_values_by_hand() -> None:
     # diff +50 is clamped to +20: r = exp(20) = 4.851652e8
     e20 = math.exp(20.0)
     mu, one = t([[0.0]]), torch.ones(1, 1)
-    # PPO, A = +1: clipped at -(1.28); A = -1: -A r = +exp(20) (finite)
+    # PPO, A = +1: clipped at -(1.28); A = -1: -A r = +exp(20) (finite) without the dual clip, 3 with it
     close(ppo_loss(t([[50.0]]), mu, None, t([1.0]), one, LossConfig())[0], -1.28)
-    close(ppo_loss(t([[50.0]]), mu, None, t([-1.0]), one, LossConfig())[0], e20, atol=1.0)
+    no_dual = LossConfig(dual_clip=None)
+    close(ppo_loss(t([[50.0]]), mu, None, t([-1.0]), one, no_dual)[0], e20, atol=1.0)
+    close(ppo_loss(t([[50.0]]), mu, None, t([-1.0]), one, LossConfig())[0], 3.0)
     # decoupled PPO: w = prox / mu = exp(20) > cap 5 is masked: loss 0
     close(decoupled_ppo_loss(t([[50.0]]), mu, t([[50.0]]), t([1.0]), one, LossConfig())[0], 0.0)
     # TIS: w = min(exp(20), 2) = 2, r = 1: loss -2 A = -2
@@ -532,3 +537,62 @@ def test_every_loss_sees_the_behaviour_policy_when_proximal_is_the_current_polic
         for shift in (0.0, ln(3.0))
     ]
     assert values[0] != pytest.approx(values[1]), values
+
+
+@pytest.mark.parametrize(
+    "estimator,value,grad",
+    [
+        # d = new - ref = ln 0.5 - ln 0.25 = ln 2 = 0.6931472
+        ("k1", 0.6931472, 1.0),  # k1 = d; d k1 / d new = 1
+        ("k2", 0.2402265, 0.6931472),  # k2 = d^2 / 2 = 0.480453 / 2; gradient d
+        ("k3", 0.1931472, 0.5),  # k3 = e^-d + d - 1 = 0.5 + 0.6931472 - 1; gradient 1 - e^-d
+    ],
+)
+def test_kl_estimators_by_hand(estimator: str, value: float, grad: float) -> None:
+    # A = 0, so the loss is kl_coef x k alone: 0.1 x value, gradient 0.1 x grad
+    new = leaf([[ln(0.5)]])
+    cfg = LossConfig(policy_loss="decoupled_ppo", kl_coef=0.1, kl_estimator=estimator)
+    ref = t([[ln(0.25)]])
+    loss, m = decoupled_ppo_loss(new, t([[ln(0.5)]]), None, t([0.0]), torch.ones(1, 1), cfg, logp_ref=ref)
+    loss.backward()
+    close(loss, 0.1 * value)
+    close(new.grad, [[0.1 * grad]])
+    close(m["kl_ref"], value)
+
+
+def test_kl_as_reward_penalty_leaves_the_loss_alone_but_reports_it() -> None:
+    new = leaf([[ln(0.5)]])
+    cfg = LossConfig(kl_coef=0.1, kl_mode="reward")
+    loss, m = ppo_loss(new, t([[ln(0.5)]]), None, t([0.0]), torch.ones(1, 1), cfg, logp_ref=t([[ln(0.25)]]))
+    loss.backward()
+    close(loss, 0.0)
+    close(new.grad, [[0.0]])
+    close(m["kl_ref"], 0.1931472)  # k3, the default estimator
+
+
+def test_entropy_bonus_by_hand() -> None:
+    # valid entropies 1, 2, 3 (the fourth is masked): token-mean 6 / 3 = 2; bonus -0.1 x 2 = -0.2
+    # gradient -0.1 / 3 on each valid token; seq-mean: rows (1 + 2) / 2 = 1.5 and 3 -> 2.25, bonus -0.225
+    ent = leaf([[1.0, 2.0], [3.0, 7.0]])
+    mask = t([[1.0, 1.0], [1.0, 0.0]])
+    from learner.losses import entropy_bonus
+
+    bonus = entropy_bonus(ent, mask, LossConfig(entropy_coef=0.1))
+    bonus.backward()
+    close(bonus, -0.2)
+    close(ent.grad, [[-0.1 / 3, -0.1 / 3], [-0.1 / 3, 0.0]])
+    close(entropy_bonus(ent, mask, LossConfig(entropy_coef=0.1, aggregation="seq-mean")), -0.225)
+    close(entropy_bonus(ent, mask, LossConfig(entropy_coef=0.1), normaliser=6), -0.1)  # global count 6
+
+
+def test_gspo_sequence_log_ratio_is_capped() -> None:
+    # every token 5 nats above mu, A = -1: the sequence log-ratio 5 is capped at 1, so -A max(r, clip r) = e
+    new, mu, mask = t([[5.0, 5.0]]), t([[0.0, 0.0]]), torch.ones(1, 2)
+    free = LossConfig(dual_clip=None)
+    close(gspo_loss(new, mu, None, t([-1.0]), mask, free)[0], math.e)
+    close(
+        gspo_loss(new, mu, None, t([-1.0]), mask, LossConfig(dual_clip=None, gspo_log_ratio_cap=2.0))[0],
+        math.e**2,
+    )
+    # cap 2 (ratio e^2 = 7.39) above the dual clip's 3: the dual clip bounds it
+    close(gspo_loss(new, mu, None, t([-1.0]), mask, LossConfig(gspo_log_ratio_cap=2.0))[0], 3.0)
