@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.common import write_result
@@ -46,13 +47,22 @@ def placement_args(placement: str) -> list[str]:
     ]
 
 
-def run_up(run_dir: Path, eta: int, steps: int, model: Path, seed: int, placement: str = "split") -> dict:
+def run_up(
+    run_dir: Path,
+    eta: int,
+    steps: int,
+    model: Path,
+    seed: int,
+    placement: str = "split",
+    extra: Sequence[str] = (),
+) -> dict:
+    """One `streamrl up` run; ``extra`` overrides come last. Returns its summary.json."""
     args = [
         sys.executable, "-m", "streamrl", "up", f"--shared.run_dir={run_dir}", f"--shared.eta={eta}",
         f"--shared.model_path={model}", f"--learner.max_steps={steps}", "--learner.wandb_mode=disabled",
         f"--learner.seed={seed}", f"--rollout.shuffle_seed={seed}",
         "--dashboard.port=0", "--dashboard.metrics_base_port=0", "--eval.every_versions=1000000",
-        "--up.status_interval_s=30", *placement_args(placement),
+        "--up.status_interval_s=30", *placement_args(placement), *extra,
     ]  # fmt: skip
     proc = subprocess.run(args, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:

@@ -247,3 +247,58 @@ def test_pooling_refuses_the_same_model_path_with_other_weights(tmp_path: Path) 
         main(["--from-json", str(a), str(b), "--out", str(tmp_path / "p.json")])
     old = _result_file(tmp_path, "old.json", [2], trl, ours)  # written before the fingerprint: no check
     assert main(["--from-json", str(a), str(old), "--out", str(tmp_path / "p.json")]) == 0
+
+
+def test_staleness_ablation_cells_differences_and_targets_by_hand() -> None:
+    from benchmarks.staleness_ablation import cell_stats, headline
+
+    # seeds 0.6, 0.7, 0.8: mean 0.7, stdev 0.1, se 0.1 / sqrt 3 = 0.057735
+    three = cell_stats([0.6, 0.7, 0.8], 1000)
+    assert three["mean"] == pytest.approx(0.7) and three["se"] == pytest.approx(0.0577350)
+    # one seed: the evaluation's binomial se sqrt(0.5 x 0.5 / 1000) = 0.0158114
+    one = cell_stats([0.5], 1000)
+    assert one["se"] == pytest.approx(0.0158114) and one["se_kind"].startswith("binomial")
+
+    def cell(mean: float, se: float) -> dict:
+        return {"mean": mean, "se": se}
+
+    table = {
+        "default": {"0": cell(0.70, 0.03), "4": cell(0.64, 0.04), "8": cell(0.60, 0.03)},
+        "none": {"0": cell(0.70, 0.03), "4": cell(0.55, 0.03), "8": cell(0.40, 0.04)},
+    }
+    h = headline(table)
+    assert h["reward_eta4_minus_eta0_default"] == pytest.approx(-0.06)
+    assert h["reward_eta8_minus_eta0_none"] == pytest.approx(-0.30)
+    # default eta 4 - eta 0 = -0.06, se sqrt(0.03^2 + 0.04^2) = 0.05: margin -0.06 + 0.10 = 0.04 (met)
+    assert h["default_eta4_margin"] == pytest.approx(0.04)
+    # default - none at eta 8 = 0.20, se 0.05: gap 0.20 - 0.10 = 0.10 (met)
+    assert h["none_eta8_gap"] == pytest.approx(0.10)
+    assert headline({"default": {"0": cell(0.7, 0.01)}})["none_eta8_gap"] is None
+
+
+def test_staleness_ablation_command_lines_are_valid_configs(tmp_path: Path, monkeypatch) -> None:
+    from benchmarks import staleness_ablation
+
+    seen = []
+    monkeypatch.setattr(async_vs_sync.subprocess, "run", lambda args, **kw: seen.append(args) or _Done())
+    monkeypatch.setattr(async_vs_sync, "one_run", lambda summary: {"eval_reward": 0.5})
+    monkeypatch.setattr(staleness_ablation, "one_run", lambda summary: {"eval_reward": 0.5})
+    for corr in staleness_ablation.CORRECTIONS:
+        key = staleness_ablation.run_key(8, corr, 2, 5, ["--learner.ppo_minibatches=2"])
+        run_dir = tmp_path / "runs" / f"eta8-{corr}-s2"
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text("{}")
+        staleness_ablation.cached_run(tmp_path, key, tmp_path / "model", "shared")
+        assert staleness_ablation.cached_run(tmp_path, key, tmp_path / "model", "shared") == {
+            "eval_reward": 0.5
+        }
+    assert len(seen) == len(staleness_ablation.CORRECTIONS)  # the second call of each came from --work
+    configs = {
+        c: load_config(StreamRLConfig, argv[4:]) for c, argv in zip(staleness_ablation.CORRECTIONS, seen)
+    }
+    assert {c: cfg.learner.loss.policy_loss for c, cfg in configs.items()} == {
+        "default": "decoupled_ppo", "none": "ppo", "tis": "tis", "icepop": "icepop",
+    }  # fmt: skip
+    for cfg in configs.values():
+        assert (cfg.shared.eta, cfg.learner.max_steps, cfg.learner.ppo_minibatches) == (8, 5, 2)
+        assert cfg.eval.heldout_prompts == 1000 and cfg.rollout.task.heldout_size == 1000
