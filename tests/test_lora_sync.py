@@ -127,3 +127,53 @@ def test_adapter_sync_gives_the_merged_models_logprobs(engine, tmp_path: Path) -
     per_layer = 4 * RANK * ((128 + 128) * 2 + (128 + 128) * 2 + (128 + 384) * 3)  # q,o (128x128); k,v; MLP
     assert adapter_bytes == 4 * per_layer
     assert adapter_bytes < report["model_bytes"] / 5
+
+
+def _learner_to_mini_engine(rank: int, port: int, model_dir: str, url: str, out: str) -> None:
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    from learner.config import LoraSection
+    from learner.distributed import init_distributed, shard_model
+    from learner.lora import apply_lora
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.sender import WeightSender, sync_weights
+
+    info = init_distributed(timeout_s=60, threads=1)
+    model = shard_model(
+        apply_lora(AutoModelForCausalLM.from_pretrained(model_dir), LoraSection(rank=2)), info.device
+    )
+    cfg = WeightSyncConfig(timeout_s=TIMEOUT_S, master_address="127.0.0.1", max_attempts=1)
+    sender = WeightSender([url], cfg)
+    sender.connect()
+    started = time.monotonic()
+    result = sync_weights(model, 1, sender, lora_sync="adapter")
+    seconds = time.monotonic() - started
+    Path(out).write_text(json.dumps({"failed": result.engines_failed, "seconds": seconds}))
+    sender.close()
+    dist.destroy_process_group()
+
+
+def test_an_engine_without_the_adapter_endpoint_fails_fast(tmp_path: Path) -> None:
+    """An engine that takes no adapter (weight_sync.mini_engine here, SGLang in the gpu test) answers the adapter
+    update 404 before posting a receive: the sync reports it at once instead of waiting out the broadcast."""
+    import torch.multiprocessing as mp
+
+    from rollout_fleet.model import init_tiny_model
+    from tests.test_weight_sync_e2e import await_engine, launch_engine
+
+    model_dir = init_tiny_model(tmp_path / "tiny")
+    proc = launch_engine(model_dir)
+    try:
+        url = await_engine(proc)
+        out = tmp_path / "out.json"
+        mp.start_processes(_learner_to_mini_engine, args=(free_port(), str(model_dir), url, str(out)), nprocs=1,
+                           start_method="spawn")  # fmt: skip
+        report = json.loads(out.read_text())
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert "HTTP 404" in report["failed"][url], report
+    assert report["seconds"] < TIMEOUT_S / 2, report  # not the broadcast timeout

@@ -152,8 +152,7 @@ def iter_adapter_tensors(
 
 def merge_delta(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
     """``base + scaling * B @ A`` (peft's ``merge``), computed in float32, in ``base``'s dtype."""
-    delta = (b.float() @ a.float()) * scaling
-    return (base.float() + delta).to(base.dtype)
+    return torch.addmm(base.float(), b.float(), a.float(), alpha=scaling).to(base.dtype)
 
 
 def iter_merged_tensors(
@@ -285,7 +284,11 @@ class AdapterApplier:
                     weight = self.params[module + ".weight"]
                     base = self.base.setdefault(module + ".weight", weight.detach().clone())
                     a, b = staged["A"].to(weight.device), staged["B"].to(weight.device)
-                    weight.copy_(merge_delta(base, a, b, spec.scaling))
+                    if weight.dtype == torch.float32 and a.dtype == b.dtype == torch.float32:
+                        # one pass: read the base, write the served weight (no delta tensor, no extra copy)
+                        torch.addmm(base, b, a, alpha=spec.scaling, out=weight)
+                    else:
+                        weight.copy_(merge_delta(base, a, b, spec.scaling))
                     del self.pending[module]
                     done += 1
         self.applied_layers += done

@@ -258,6 +258,10 @@ class _Attempt:
     def _prepare(self) -> None:
         """Pause every member not yet paused, then open a session where the server has sessions."""
         s = self.sender
+        if self.adapter is not None:  # before pausing: an engine that cannot take the adapter keeps serving
+            self._probe_adapter_endpoint()
+            if self.failures:
+                return
         to_pause = [e.url for e in self.members if e.url not in s.paused]
         if s.pause_started is None:
             s.pause_started = time.perf_counter()
@@ -281,6 +285,22 @@ class _Attempt:
                 s.sessions.add(url)
             else:
                 self.failures[url] = reply
+
+    def _probe_adapter_endpoint(self) -> None:
+        """Before any adapter broadcast: an engine without ``/load_lora_adapter_from_distributed`` (SGLang) would
+        answer 404 and never post its receive, and the abandoned broadcast would hold the group until its timeout.
+        An empty body finds out without touching the engine (400: the route exists; 404: it does not)."""
+        s = self.sender
+        unknown = [e.url for e in self.members if e.url not in s.takes_adapters]
+        for url, reply in s.http.call_all(unknown, protocol.LOAD_LORA_DISTRIBUTED, {}).items():
+            if reply.not_found:
+                self.failures[url] = Reply(
+                    404,
+                    {"message": f"{protocol.LOAD_LORA_DISTRIBUTED} not found: this engine takes no adapter over the "
+                     "update group (SGLang: set weight_sync.lora_sync to adapter_path or merged)"},
+                )  # fmt: skip
+            elif not reply.transport_failed:
+                s.takes_adapters.add(url)
 
     def _send(self, bucket: Bucket) -> None:
         """One bucket: the update call to every engine and the broadcast. Returns once the broadcast completed
@@ -383,6 +403,7 @@ class WeightSender:
         self.quarantined: dict[str, str] = {}
         self.has_session: dict[str, bool] = {}
         self.sessions: set[str] = set()  # engines with a session we opened and have not closed
+        self.takes_adapters: set[str] = set()  # engines known to serve /load_lora_adapter_from_distributed
         self.paused: set[str] = set()
         self.pause_started: float | None = None
         self.pause_ended: float | None = None
@@ -584,6 +605,7 @@ class WeightSender:
         self.sessions.discard(url)
         self.has_session.pop(url, None)
         self.given.pop(url, None)
+        self.takes_adapters.discard(url)
 
     def _blame(self, failures: dict[str, Reply]) -> dict[str, str]:
         """Which engines caused a failed step: dead ones (transport failure or no answer to a probe); if none

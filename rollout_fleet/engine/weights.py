@@ -1,9 +1,10 @@
 """The built-in engine's weight-update endpoints: SGLang's protocol on top of ``weight_sync.WeightReceiver``.
 
 Routes: ``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/begin_weight_update``,
-``/end_weight_update``, ``/destroy_weights_update_group`` (from ``weight_sync.engine_routes``), plus the
-engine's own ``/update_weights_from_disk``, ``/get_weights_by_name`` and ``/weights_checker`` (a checksum
-for tests). Received tensors are copied into the served model by the scheduler thread between two forward
+``/end_weight_update``, ``/destroy_weights_update_group`` and streamrl's ``/load_lora_adapter_from_distributed``
+(from ``weight_sync.engine_routes``), plus the engine's own ``/update_weights_from_disk``, SGLang's
+``/load_lora_adapter`` and ``/unload_lora_adapter`` (a PEFT directory; docs/lora.md), ``/get_weights_by_name``
+and ``/weights_checker`` (a checksum for tests). Received tensors are copied into the served model by the scheduler thread between two forward
 passes, so a request never sees half a tensor; the sender pauses generation around a whole update, and an
 update that fails leaves the receiver inconsistent until a full reload, so a partially updated engine
 never resumes serving (the sender keeps it paused and quarantined).
