@@ -294,7 +294,8 @@ def test_staleness_ablation_command_lines_are_valid_configs(tmp_path: Path, monk
         }
     assert len(seen) == len(staleness_ablation.CORRECTIONS)  # the second call of each came from --work
     configs = {
-        c: load_config(StreamRLConfig, argv[4:]) for c, argv in zip(staleness_ablation.CORRECTIONS, seen)
+        c: load_config(StreamRLConfig, argv[4:])
+        for c, argv in zip(staleness_ablation.CORRECTIONS, seen, strict=True)
     }
     assert {c: cfg.learner.loss.policy_loss for c, cfg in configs.items()} == {
         "default": "decoupled_ppo", "none": "ppo", "tis": "tis", "icepop": "icepop",
