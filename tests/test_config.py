@@ -164,3 +164,12 @@ def test_reference_kl_options_are_checked_by_name() -> None:
         load_config(StreamRLConfig, ["--learner.loss.kl_estimator=k4"])
     with pytest.raises(ConfigError, match=r"kl_mode"):
         load_config(StreamRLConfig, ["--learner.loss.kl_mode=advantage"])
+
+
+def test_lora_through_sglang_adapter_paths_needs_a_directory() -> None:
+    args = ["--learner.lora.rank=8", "--weight_sync.lora_sync=adapter_path"]
+    with pytest.raises(ConfigError, match=r"weight_sync.adapter_dir"):
+        load_config(StreamRLConfig, args)
+    cfg = load_config(StreamRLConfig, [*args, "--weight_sync.adapter_dir=/tmp/adapters"])
+    assert cfg.weight_sync.adapter_dir == "/tmp/adapters"
+    assert load_config(StreamRLConfig, ["--weight_sync.lora_sync=adapter_path"]).learner.lora.rank == 0
