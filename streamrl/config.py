@@ -140,12 +140,12 @@ class StreamRLConfig(Section):
                 f"learner.checkpoint_interval_s ({min_idle_ms:.0f} ms), or a live learner's entries get stolen"
             )
         # SGLang's adapter path reads what the learner writes: without a directory the first sync would fail.
-        if self.learner.lora.enabled and self.weight_sync.lora_sync == "adapter_path":
-            if not self.weight_sync.adapter_dir:
-                raise ValueError(
-                    "weight_sync.lora_sync = 'adapter_path' with learner.lora.rank = "
-                    f"{self.learner.lora.rank} needs weight_sync.adapter_dir (a directory every engine reads)"
-                )
+        sync = self.weight_sync
+        if self.learner.lora.enabled and sync.lora_sync == "adapter_path" and not sync.adapter_dir:
+            raise ValueError(
+                "weight_sync.lora_sync = 'adapter_path' with learner.lora.rank = "
+                f"{self.learner.lora.rank} needs weight_sync.adapter_dir (a directory every engine reads)"
+            )
         return self
 
 
