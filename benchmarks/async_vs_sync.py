@@ -33,17 +33,27 @@ from benchmarks.plot import figure, line_chart
 ETAS = (0, 1, 2, 4)
 
 
+PLACEMENTS = ("split", "shared", "rollout_heavy")
+
+
 def placement_args(placement: str) -> list[str]:
-    """Engine and learner core sets for ``split``; nothing for ``shared``."""
+    """Engine and learner core sets: ``split`` gives the engines the first half of the cores and the learner
+    the rest; ``rollout_heavy`` gives the engines every core and the learner only the last one (a rollout fleet
+    with more capacity than the trainer: generation runs ahead until the staleness bound stops it); ``shared``
+    pins nothing."""
     if placement == "shared":
         return []
+    if placement not in PLACEMENTS:
+        raise SystemExit(f"--placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
-        raise SystemExit("--placement split needs at least 2 cores; use --placement shared")
+        raise SystemExit(f"--placement {placement} needs at least 2 cores; use --placement shared")
     half = len(cores) // 2
+    engines = cores if placement == "rollout_heavy" else cores[:half]
+    learner = cores[-1:] if placement == "rollout_heavy" else cores[half:]
     return [
-        f"--engine.cpu_affinity={json.dumps(cores[:half])}",
-        f"--learner.cpu_affinity={json.dumps(cores[half:])}",
+        f"--engine.cpu_affinity={json.dumps(engines)}",
+        f"--learner.cpu_affinity={json.dumps(learner)}",
     ]
 
 

@@ -19,9 +19,12 @@ errors (``default_eta4_margin`` = diff + 2 se >= 0); ``none`` at eta 8 worse tha
 standard errors (``none_eta8_gap`` = default - none - 2 se > 0).
 
 Placement as in benchmarks.async_vs_sync (engines and learner on disjoint cores, the CPU stand-in for separate
-rollout and training GPUs), so generation really runs ahead of training and staleness reaches eta. Each run's
-result is kept in ``--work`` (one JSON per run, reused when its parameters match), so a long full run can be
-stopped and resumed.
+rollout and training GPUs). Generation only lags as far as the engines outrun the learner: on 2 CPU cores they
+do not (at eta 0 a step waits ~1.2 s for generation and trains in ~0.6 s), so the quick run of 2026-12-02 reached
+a mean staleness of 1.4-1.7 at eta 4 and at eta 8 alike (``rollout_heavy``, the engines on both cores: 1.8).
+The ``mean_staleness`` column says how far each cell really lagged; an ablation of high staleness needs a
+trainer slower than its rollout fleet. Each run's result is kept in ``--work`` (one JSON per run, reused when
+its parameters match), so a long full run can be stopped and resumed.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.async_vs_sync import one_run, run_up
+from benchmarks.async_vs_sync import PLACEMENTS, one_run, run_up
 from benchmarks.common import write_result
 from benchmarks.plot import figure, line_chart
 
@@ -149,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         "--work", type=Path, default=Path("runs/staleness_ablation"), help="per-run results, reused on resume"
     )
     parser.add_argument(
-        "--placement", choices=("split", "shared"), default="split", help="as in benchmarks.async_vs_sync"
+        "--placement",
+        choices=PLACEMENTS,
+        default="split",
+        help="core sets (benchmarks.async_vs_sync.placement_args); rollout_heavy: the engines on every core, "
+        "the learner on one",
     )
     parser.add_argument(
         "--extra",

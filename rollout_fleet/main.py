@@ -23,7 +23,7 @@ import signal
 import socket
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
@@ -101,6 +101,7 @@ async def open_worker(
     *,
     fleet: Fleet | None = None,
     tokenizer: object | None = None,
+    adapter_name: Callable[[int], str] | None = None,
 ) -> AsyncIterator[RolloutWorker]:
     """A ready worker (engines registered and probed, reward pool started); everything is closed on exit."""
     worker_id = rollout.worker_id or default_worker_id()
@@ -169,6 +170,7 @@ async def open_worker(
             scorer_options=options,
             worker_id=worker_id,
             metrics=MetricsWriter(client, shared, "rollout", maxlen=broker.metrics_maxlen),
+            adapter_name=adapter_name,
         )
     finally:
         if router is not None:
@@ -184,6 +186,7 @@ async def _serve(
     engine: EngineConfig,
     rollout: RolloutConfig,
     groups_per_step: int,
+    adapter_name: Callable[[int], str] | None,
 ) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -199,7 +202,14 @@ async def _serve(
             await fleet.start()
             supervisor = asyncio.create_task(fleet.supervise(fleet_stop))
         async with open_worker(
-            shared, broker, engine, rollout, groups_per_step, redis_url, fleet=fleet
+            shared,
+            broker,
+            engine,
+            rollout,
+            groups_per_step,
+            redis_url,
+            fleet=fleet,
+            adapter_name=adapter_name,
         ) as worker:
             log.info(
                 "worker %s: %d engine(s), group_size %d, eta %d, groups_per_step %d",
@@ -234,8 +244,12 @@ def run_rollout(
     engine: EngineConfig,
     rollout: RolloutConfig,
     groups_per_step: int = 1,
+    adapter_name: Callable[[int], str] | None = None,
 ) -> int:
-    """Run one rollout worker on uvloop until SIGTERM / SIGINT or ``rollout.max_epochs``; the exit code."""
+    """Run one rollout worker on uvloop until SIGTERM / SIGINT or ``rollout.max_epochs``; the exit code.
+
+    ``adapter_name``: with LoRA served by adapter name (SGLang), the name of a policy version's adapter, which
+    every request then carries as ``lora_path``."""
     if groups_per_step < 1:
         log.error("groups_per_step = %d: must be >= 1", groups_per_step)
         return 2
@@ -245,7 +259,7 @@ def run_rollout(
         sys.modules["torch"].set_num_threads(shared.torch_threads)
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(_serve(shared, broker, engine, rollout, groups_per_step))
+            return runner.run(_serve(shared, broker, engine, rollout, groups_per_step, adapter_name))
     except (ConfigError, TaskError, DispatchMismatch, FleetError, RedisNotFound, OSError) as exc:
         log.error("rollout worker cannot run: %s", exc)
         return 2

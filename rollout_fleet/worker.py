@@ -201,6 +201,7 @@ class RolloutWorker:
         scorer_options: Mapping[str, Any],
         worker_id: str,
         metrics: MetricsWriter | None = None,
+        adapter_name: Callable[[int], str] | None = None,
     ) -> None:
         self.shared, self.config = shared, rollout
         self.redis, self.router, self.dispatch = redis, router, dispatch
@@ -208,6 +209,8 @@ class RolloutWorker:
         self.task, self.tokenizer, self.rewards = task, tokenizer, rewards
         self.scorer, self.scorer_options = scorer, dict(scorer_options)
         self.worker_id, self.metrics = worker_id, metrics
+        # LoRA served by adapter name (SGLang): each request selects the published version's adapter
+        self.adapter_name = adapter_name
         eos = getattr(tokenizer, "eos_token_id", None)
         stops = set(rollout.stop_token_ids) | ({int(eos)} if eos is not None else set())
         self.sampling = SamplingConfig(
@@ -424,12 +427,25 @@ class RolloutWorker:
             group_id=group_id,
         )
 
+    def _select_adapter(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """With LoRA served by name, the request names the adapter of the published policy version: the
+        learner announces a version only once every engine has loaded it, and engines keep the previous
+        ``weight_sync.keep_adapters - 1`` loaded, so a request started before an announcement still finds its
+        adapter. Version 0 is the base model itself (peft starts every adapter at B = 0, and the initial weights
+        are never synced): its requests name no adapter."""
+        version = self.versions.value
+        if self.adapter_name is None or version == 0:
+            return payload
+        return {**payload, "lora_path": self.adapter_name(version)}
+
     async def _first_requests(self, group_id: str, prompt_ids: list[int]) -> list[_Answer] | None:
         """Every sample's first request in one batched ``/generate``; None when the batch failed and each
         sample should start on its own (a failed engine is taken out of routing as for a single request)."""
         n = self.config.group_size
         rids = [f"{group_id}:s{i}:r0" for i in range(n)]
-        payload = build_group_request(prompt_ids, self.sampling, self.config.max_new_tokens, rids)
+        payload = self._select_adapter(
+            build_group_request(prompt_ids, self.sampling, self.config.max_new_tokens, rids)
+        )
         try:
             handle = await self.router.acquire()
         except NoEngineAvailable as exc:
@@ -495,7 +511,9 @@ class RolloutWorker:
                 out.finish = "length"
                 break
             rid = f"{group_id}:s{index}:r{requests}"
-            payload = build_generate_request(prompt_ids + out.tokens, self.sampling, budget, rid)
+            payload = self._select_adapter(
+                build_generate_request(prompt_ids + out.tokens, self.sampling, budget, rid)
+            )
             try:
                 handle = await self.router.acquire(prefer)
             except NoEngineAvailable as exc:

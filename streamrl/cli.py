@@ -39,6 +39,7 @@ class Command:
 
 # Every role with a Prometheus endpoint of its own port reads where to serve it.
 METRICS_FIELDS = ("dashboard.metrics_host", "dashboard.metrics_base_port")
+LORA_NAMING_FIELDS = ("learner.lora.rank", "weight_sync.lora_sync", "weight_sync.lora_name")
 
 
 def _with_prometheus(config: StreamRLConfig, role: str, index: int, run: Callable[[], int]) -> int:
@@ -98,7 +99,12 @@ def _run_rollout(config: StreamRLConfig) -> int:
         "rollout",
         index,
         lambda: run_rollout(
-            config.shared, config.broker, config.engine, config.rollout, config.learner.groups_per_step
+            config.shared,
+            config.broker,
+            config.engine,
+            config.rollout,
+            config.learner.groups_per_step,
+            adapter_name=config.served_adapter_name(),
         ),
     )
 
@@ -132,7 +138,8 @@ COMMANDS: dict[str, Command] = {
         "run rollout workers writing trajectory groups to the stream",
         ("shared", "broker", "engine", "rollout"),
         _run_rollout,
-        ("learner.groups_per_step", *METRICS_FIELDS),  # admission counts in learner steps
+        # admission counts in learner steps; LoRA served by name puts the adapter's name in every request
+        ("learner.groups_per_step", *LORA_NAMING_FIELDS, *METRICS_FIELDS),
     ),
     "learner": Command(
         "train from the stream and publish weights",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import Field, model_validator
@@ -146,7 +147,21 @@ class StreamRLConfig(Section):
                 "weight_sync.lora_sync = 'adapter_path' with learner.lora.rank = "
                 f"{self.learner.lora.rank} needs weight_sync.adapter_dir (a directory every engine reads)"
             )
+        # Rollout requests name the published version's adapter; the next one is loaded before it is announced.
+        if self.served_adapter_name() is not None and sync.keep_adapters < 2:
+            raise ValueError(
+                f"weight_sync.keep_adapters = {sync.keep_adapters}: with adapters served by name, requests name "
+                "the published version's adapter while the next one loads; keep at least 2"
+            )
         return self
+
+    def served_adapter_name(self) -> Callable[[int], str] | None:
+        """With LoRA adapters that engines serve by name (``weight_sync.lora_sync = adapter_path``, SGLang's
+        way), the name of a policy version's adapter, which rollout requests carry as ``lora_path``; else None
+        (the adapter, or the merged weights, are the engine's own weights)."""
+        if self.learner.lora.enabled and self.weight_sync.lora_sync == "adapter_path":
+            return self.weight_sync.adapter_name
+        return None
 
 
 def env_defaults() -> dict[str, Any]:

@@ -172,4 +172,8 @@ def test_lora_through_sglang_adapter_paths_needs_a_directory() -> None:
         load_config(StreamRLConfig, args)
     cfg = load_config(StreamRLConfig, [*args, "--weight_sync.adapter_dir=/tmp/adapters"])
     assert cfg.weight_sync.adapter_dir == "/tmp/adapters"
-    assert load_config(StreamRLConfig, ["--weight_sync.lora_sync=adapter_path"]).learner.lora.rank == 0
+    assert cfg.served_adapter_name()(7) == "policy-v7"  # what rollout requests carry as lora_path
+    with pytest.raises(ConfigError, match=r"weight_sync.keep_adapters = 1"):
+        load_config(StreamRLConfig, [*args, "--weight_sync.adapter_dir=/a", "--weight_sync.keep_adapters=1"])
+    no_lora = load_config(StreamRLConfig, ["--weight_sync.lora_sync=adapter_path"])
+    assert no_lora.learner.lora.rank == 0 and no_lora.served_adapter_name() is None

@@ -32,6 +32,18 @@ def _logprobs(model: torch.nn.Module) -> list[float]:
         return logp.gather(-1, ids[0, 1:, None])[:, 0].tolist()
 
 
+def _generate_status(url: str, lora_path: str) -> tuple[int, str]:
+    """HTTP status and error text of a one-token ``/generate`` that selects ``lora_path``."""
+    import urllib.error
+
+    body = {"input_ids": SEQUENCE[:4], "sampling_params": {"max_new_tokens": 1}, "lora_path": lora_path}
+    try:
+        http_json(url + "/generate", body)
+        return 200, ""
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
     ids = torch.randint(5, 90, (2, 16), generator=torch.Generator().manual_seed(seed))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -66,6 +78,10 @@ def _learner(rank: int, world: int, port: int, model_dir: str, url: str, out: st
         if sender is not None:
             served = engine_logprobs(url)
             label = http_json(url + "/model_info")["weight_version"]
+            if mode == "adapter_path":  # requests select the adapter by name, as on SGLang
+                report["lora_path"] = {
+                    name: _generate_status(url, name) for name in ("policy-v3", "policy-v0")
+                }
             report["versions"].append(
                 {"mode": mode, "ok": result.engines_ok, "failed": result.engines_failed, "bytes": result.bytes,
                  "learner": learner, "engine": served, "label": label}
@@ -120,6 +136,10 @@ def test_adapter_sync_gives_the_merged_models_logprobs(engine, tmp_path: Path) -
         # ... and the engine serves exactly the learner's merged model
         assert _max_diff(seen["engine"], seen["learner"]) < 1e-4, (v, seen["mode"])
         previous = seen["learner"]
+    # an adapter loaded by name serves requests that name it; one never loaded is refused, naming it
+    assert report["lora_path"]["policy-v3"] == [200, ""]
+    status, error = report["lora_path"]["policy-v0"]
+    assert status == 400 and "policy-v0" in error and "not loaded" in error
     # only the adapter travels: 2 x r x (in + out) per projection, a few percent of the model here
     adapter_bytes = versions[0]["bytes"]
     assert versions[1]["bytes"] == versions[2]["bytes"] == adapter_bytes

@@ -280,6 +280,19 @@ class EngineServer:
         except TimeoutError:
             return error_response("timed out waiting for a weight update to finish", 503)
 
+    def _check_lora_path(self, lora_path: Any) -> None:
+        """SGLang refuses a request whose ``lora_path`` names an adapter it has not loaded (or has unloaded);
+        so does this engine, so a worker that names the wrong adapter version fails here as it would there.
+        (What the built-in engine serves is its one merged adapter, the newest loaded.)"""
+        if lora_path is None:
+            return
+        names = lora_path if isinstance(lora_path, list) else [lora_path]
+        if not all(n is None or isinstance(n, str) for n in names):
+            raise RequestError(f"lora_path = {lora_path!r}: expected a string, null or a list of them")
+        missing = sorted({n for n in names if n is not None} - set(self.engine.lora_names))
+        if missing:
+            raise RequestError(f"The following requested LoRA adapters are not loaded: {missing}")
+
     async def _generate_locked(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         try:
             call = protocol.parse_generate(
@@ -291,6 +304,7 @@ class EngineServer:
             clash = next((i.rid for i in call.items if i.rid in self.live_rids), None)
             if clash is not None:
                 raise RequestError(f"Duplicate request ID: {clash!r} is already in flight")
+            self._check_lora_path(body.get("lora_path"))
         except RequestError as exc:
             if body.get("stream") is True:
                 return await self._stream_error(request, str(exc))
