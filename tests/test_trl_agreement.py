@@ -362,7 +362,8 @@ class Mapping:
     global_normaliser: bool = False  # dapo: num_items_in_batch spans the generation batch
 
 
-PPO = dict(policy_loss="ppo", eps_low=0.2, eps_high=0.2)  # TRL: epsilon = 0.2, epsilon_high = epsilon
+# TRL: epsilon = 0.2, epsilon_high = epsilon, and no dual clip (ours is on by default)
+PPO = dict(policy_loss="ppo", eps_low=0.2, eps_high=0.2, dual_clip=None)
 AGREEING = {
     "bnpo~token-mean": Mapping(dict(loss_type="bnpo"), dict(PPO, aggregation="token-mean")),
     "dapo~token-mean/global-normaliser/clip-higher": Mapping(
@@ -415,9 +416,10 @@ def test_trl_sequence_level_grpo_is_our_gspo(model_dir: Path, tmp_path: Path) ->
     )
     batch = make_batch(model_dir, LENGTHS)
     trl, given = trl_side(trainer, batch)
-    config = LossConfig(
-        policy_loss="gspo", aggregation="seq-mean", gspo_eps_low=eps_low, gspo_eps_high=eps_high
-    )
+    config = LossConfig(  # TRL caps neither the sequence log-ratio nor a negative advantage's loss
+        policy_loss="gspo", aggregation="seq-mean", gspo_eps_low=eps_low, gspo_eps_high=eps_high,
+        dual_clip=None, gspo_log_ratio_cap=20.0,
+    )  # fmt: skip
     ours = our_side(trainer.model, batch, given, config)
     mask = batch.completion_mask
     seq_ratio = torch.exp(((trl.logp - given.old) * mask).sum(1) / mask.sum(1))
