@@ -21,7 +21,6 @@ adapter sync and after a full sync the engine's log-probs of a fixed sequence ar
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -30,13 +29,12 @@ import sys
 import tempfile
 import time
 import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from benchmarks.common import format_table, write_result
+from benchmarks.weight_sync import http_json
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = {"seconds_ratio_vs_full": (">", 1.0), "bytes_ratio_vs_full": (">", 10.0)}
@@ -58,15 +56,6 @@ MODES = {
 }  # fmt: skip
 TIMEOUT_S = 300.0
 SEQUENCE = list(range(5, 69))
-
-
-def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> Any:
-    """GET (no body) or POST a JSON body with the standard library; the parsed JSON reply (None when empty)."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as resp:
-        text = resp.read()
-    return json.loads(text) if text else None
 
 
 def make_model_dir(root: Path, shape: dict) -> Path:
