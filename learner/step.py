@@ -99,7 +99,7 @@ class MetricSums:
         return out
 
 
-MEAN_KEYS = ["entropy", "mismatch_abs", "mismatch_k3", "entropy_bonus"]
+MEAN_KEYS = ["entropy", "mismatch_abs", "mismatch_k3"]
 # Names as learner.losses reports them (token-weighted means over the call's valid tokens).
 LOSS_METRIC_MEANS = [
     "is_weight_mean", "clip_frac", "is_masked_frac", "is_truncated_frac", "approx_kl", "ratio_mean",
@@ -254,10 +254,8 @@ def micro_batch_forward(
         normaliser=normaliser,
     )
     tokens = float(mask.sum())
-    if config.loss.entropy_coef > 0:
-        bonus = entropy_bonus(entropy, mask, config.loss, normaliser)
-        loss = loss + bonus
-        sums.add_mean("entropy_bonus", float(bonus) * normaliser / max(tokens, 1.0), tokens)
+    if config.loss.entropy_coef > 0:  # part of the reported `loss`: no metric of its own
+        loss = loss + entropy_bonus(entropy, mask, config.loss, normaliser)
     (loss * world_size).backward()
     for name in LOSS_METRIC_MEANS:
         if name in metrics:
