@@ -20,11 +20,13 @@ standard errors (``none_eta8_gap`` = default - none - 2 se > 0).
 
 Placement as in benchmarks.async_vs_sync (engines and learner on disjoint cores, the CPU stand-in for separate
 rollout and training GPUs). Generation only lags as far as the engines outrun the learner: on 2 CPU cores they
-do not (at eta 0 a step waits ~1.2 s for generation and trains in ~0.6 s), so the quick run of 2026-12-02 reached
-a mean staleness of 1.4-1.7 at eta 4 and at eta 8 alike (``rollout_heavy``, the engines on both cores: 1.8).
-The ``mean_staleness`` column says how far each cell really lagged; an ablation of high staleness needs a
-trainer slower than its rollout fleet. Each run's result is kept in ``--work`` (one JSON per run, reused when
-its parameters match), so a long full run can be stopped and resumed.
+do not by themselves (at eta 0 a step waits ~1.2 s for generation and trains in ~0.6 s), so a first quick run
+(2026-12-02, ``--step-interval 0``) reached a mean staleness of 1.4-1.7 at eta 4 and at eta 8 alike. So every
+run paces the learner (``--step-interval``, default 2.5 s: ``learner.min_step_interval_s``, a batch taken at
+least that long after the previous one) while the fleet runs at full speed: a trainer slower than its fleet,
+as a large model's is, and the generation lags up to the bound. The ``mean_staleness`` column says how far
+each cell really lagged. Each run's result is kept in ``--work`` (one JSON per run, reused when its parameters
+match), so a long full run can be stopped and resumed.
 """
 
 from __future__ import annotations
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="eta {0, 4, 8}, one seed (about 30 minutes)")
+    parser.add_argument("--quick", action="store_true", help="eta {0, 4, 8}, one seed (about 45 minutes)")
     parser.add_argument(
         "--out", type=Path, required=True, help="result JSON (an SVG plot is written beside it)"
     )
@@ -159,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
         "the learner on one",
     )
     parser.add_argument(
+        "--step-interval",
+        type=float,
+        default=2.5,
+        help="learner.min_step_interval_s of every run: seconds a step waits for at least, so the fleet runs "
+        "ahead of the learner (0: unpaced)",
+    )
+    parser.add_argument(
         "--extra",
         action="append",
         default=[],
@@ -170,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = args.seeds or MODES[mode]["seeds"]
     steps = args.steps or MODES[mode]["steps"]
     corrections = args.corrections or list(CORRECTIONS)
+    extra = [f"--learner.min_step_interval_s={args.step_interval}", *args.extra]
     from rollout_fleet.warmstart import init_warm_model
 
     model = init_warm_model()
@@ -181,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             for corr in corrections:
                 done += 1
                 print(f"[{done}/{total}] seed {seed} eta={eta} {corr} ...", flush=True)
-                r = cached_run(args.work, run_key(eta, corr, seed, steps, args.extra), model, args.placement)
+                r = cached_run(args.work, run_key(eta, corr, seed, steps, extra), model, args.placement)
                 runs[corr][str(eta)].append(r)
                 print(f"  held-out {r['eval_reward']:.3f}, staleness {r['mean_staleness']:.2f}, "
                       f"wall {r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
@@ -214,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             "corrections": corrections,
             "heldout_problems": HELDOUT,
             "placement": args.placement,
+            "step_interval_s": args.step_interval,
             "extra": args.extra,
             "model": str(model),
         },  # fmt: skip

@@ -20,21 +20,38 @@ kernel costs), never of the whole row squared, and no ``[T, T]`` mask is ever bu
 attention mask. Gradients are exact: a shared prompt token's key and value collect the gradient of every
 sample that attends to them (the gather's backward sums), and its query and output are used from one copy.
 
-The function is registered with transformers as attention implementation :data:`PACKED_ATTENTION`, with
-SDPA's mask builder; called without ``packed_source`` it is exactly SDPA, so the model behaves as usual
-outside the learner's forward (evaluation, export).
+On CUDA with flash-attention installed, :data:`PACKED_FLASH_ATTENTION` runs the same layout through
+flash-attention's varlen kernel instead (``learner.attention_kernel``): every sample's tokens gathered into one
+unpadded ``[sum L_i, h, d]`` tensor (``PackedRows.varlen_index``, samples longest first, bounded by
+``cu_seqlens``), one causal varlen call, and each row position's output taken back from one copy
+(``PackedRows.varlen_target``). :func:`varlen_attention` is that path with the kernel as an argument, so the
+index maps are tested on CPU with :func:`reference_varlen_kernel` (SDPA per sample) standing in for the CUDA
+kernel.
+
+Both functions are registered with transformers as attention implementations, with SDPA's mask builder;
+called without ``packed_source`` they are exactly SDPA, so the model behaves as usual outside the learner's
+forward (evaluation, export).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
+from broker.configlib import ConfigError
+
+AttentionKernel = Literal["auto", "sdpa", "flash_varlen"]
 PACKED_ATTENTION = "streamrl_packed"
-# Older name of the same implementation (it first served shared prompt rows only).
-SHARED_PROMPT_ATTENTION = PACKED_ATTENTION
+PACKED_FLASH_ATTENTION = (
+    "streamrl_packed_varlen"  # transformers reads any name with "flash" as its own flash-attention
+)
+PACKED_IMPLEMENTATIONS = (PACKED_ATTENTION, PACKED_FLASH_ATTENTION)
+# A varlen kernel: (q, k, v [N, h(kv), d] concatenated samples, cu_seqlens int32 [b + 1], max_seqlen, scaling)
+# -> [N, h, d], causal within each sample.
+VarlenKernel = Callable[[Tensor, Tensor, Tensor, Tensor, int, float | None], Tensor]
 
 
 def _sdpa() -> Any:
@@ -53,6 +70,7 @@ def packed_attention(
     packed_target: Tensor | None = None,
     packed_order: Tensor | None = None,
     packed_buckets: list[tuple[int, int, int]] | None = None,
+    packed_varlen: tuple[Tensor, Tensor, Tensor, int] | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """Attention over packed rows, in the transformers attention-interface signature.
@@ -63,6 +81,7 @@ def packed_attention(
     that order attended together, right-padded to ``length``. ``packed_target [r * W]``: for each flat row
     position, the position in the concatenated, flattened bucket outputs whose result it takes. Returns
     ``[r, W, h, d]`` as SDPA does. Without ``packed_source`` this is SDPA with ``attention_mask``.
+    ``packed_varlen`` (the varlen kernels' maps, see :func:`packed_flash_attention`) is not used here.
     """
     sdpa = _sdpa()
     if packed_source is None:
@@ -95,15 +114,114 @@ def packed_attention(
     return torch.cat(outputs)[packed_target].reshape(rows, width, heads, dim), None
 
 
-def register_packed_attention() -> str:
-    """Register the implementation (idempotent) and return its name for ``attn_implementation``."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+def varlen_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    varlen: tuple[Tensor, Tensor, Tensor, int],
+    kernel: VarlenKernel,
+    scaling: float | None = None,
+) -> Tensor:
+    """Packed-row attention through a varlen ``kernel``: ``query [r, h, W, d]``, ``key`` / ``value
+    [r, hkv, W, d]`` in row layout; ``varlen = (index [N], cu_seqlens int32 [b + 1], target [r * W],
+    max_seqlen)`` from :class:`learner.packing.PackedRows`. Returns ``[r, W, h, d]``."""
+    index, cu_seqlens, target, max_seqlen = varlen
+    rows, heads, width, dim = query.shape
 
-    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
-    AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
+    def gathered(x: Tensor) -> Tensor:  # [r, h, W, d] -> [N, h, d], the samples one after another
+        return x.transpose(1, 2).reshape(rows * width, x.shape[1], x.shape[3])[index]
+
+    out = kernel(gathered(query), gathered(key), gathered(value), cu_seqlens, max_seqlen, scaling)
+    return out[target].reshape(rows, width, heads, dim)
+
+
+def reference_varlen_kernel(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scaling: float | None
+) -> Tensor:
+    """A varlen kernel in plain torch (causal SDPA per sample): what flash-attention's computes, on any
+    device; slow (one call per sample), for tests."""
+    groups = q.shape[1] // k.shape[1]  # grouped-query attention: each kv head serves `groups` query heads
+    bounds = cu_seqlens.tolist()
+    outputs = []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [h, L, d]
+        ks, vs = ks.repeat_interleave(groups, 0), vs.repeat_interleave(groups, 0)
+        out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling)
+        outputs.append(out.transpose(0, 1))
+    return torch.cat(outputs)
+
+
+def flash_varlen_kernel(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scaling: float | None
+) -> Tensor:
+    """flash-attention's varlen kernel (CUDA, fp16/bf16; grouped-query attention natively)."""
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scaling, causal=True
+    )
+
+
+def packed_flash_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    packed_source: Tensor | None = None,
+    packed_varlen: tuple[Tensor, Tensor, Tensor, int] | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """:func:`packed_attention`'s contract through flash-attention's varlen kernel (SDPA without
+    ``packed_source``)."""
+    if packed_source is None:
+        return _sdpa()(module, query, key, value, attention_mask, **kwargs)
+    if packed_varlen is None:
+        raise ValueError("packed_source needs packed_varlen for the varlen kernel")
+    if kwargs.get("sliding_window"):
+        raise NotImplementedError(
+            f"packed rows with sliding-window attention (window {kwargs['sliding_window']}) are not supported"
+        )
+    if kwargs.get("dropout", 0.0):
+        raise NotImplementedError("the learner's varlen attention runs without attention dropout")
+    out = varlen_attention(query, key, value, packed_varlen, flash_varlen_kernel, kwargs.get("scaling"))
+    return out, None
+
+
+def flash_varlen_unavailable(device: torch.device, dtype: torch.dtype | None) -> str | None:
+    """Why flash-attention's varlen kernel cannot serve the learner here, or None when it can."""
+    if device.type != "cuda":
+        return f"it runs on CUDA only (the learner is on {device.type})"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return "it needs a bf16 or fp16 compute dtype (learner.mixed_precision = 'bf16')"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError as exc:
+        return f"flash-attn is not installed ({exc})"
+    return None
+
+
+def resolve_attention_kernel(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype | None) -> str:
+    """The attention implementation name for ``learner.attention_kernel`` on ``device`` with compute
+    ``dtype``: ``auto`` takes flash-attention's varlen kernel where it can serve, else the SDPA buckets."""
+    if kernel == "sdpa":
+        return PACKED_ATTENTION
+    reason = flash_varlen_unavailable(device, dtype)
+    if reason is None:
+        return PACKED_FLASH_ATTENTION
+    if kernel == "flash_varlen":
+        raise ConfigError(f"learner.attention_kernel = 'flash_varlen' cannot serve: {reason}")
     return PACKED_ATTENTION
 
 
-# Older name, kept for callers that load the learner's model with it.
-register_shared_prompt_attention = register_packed_attention
+def register_packed_attention(name: str = PACKED_ATTENTION) -> str:
+    """Register the implementation ``name`` (idempotent) and return it for ``attn_implementation``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    functions = {PACKED_ATTENTION: packed_attention, PACKED_FLASH_ATTENTION: packed_flash_attention}
+    if name not in functions:
+        raise ValueError(f"unknown packed attention implementation {name!r}; one of {sorted(functions)}")
+    AttentionInterface.register(name, functions[name])
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name

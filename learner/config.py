@@ -155,6 +155,12 @@ class LearnerConfig(Section):
         description="Pack each micro-batch's sequences into one row without padding (position ids restart per "
         "sequence, attention never crosses one); false: one right-padded row per sequence or shared prompt.",
     )
+    attention_kernel: Literal["auto", "sdpa", "flash_varlen"] = Field(
+        "auto",
+        description="Attention over packed rows: flash_varlen (flash-attention's varlen kernel: CUDA, bf16, "
+        "flash-attn installed), sdpa (causal SDPA per bucket of similar-length samples), or auto (the first "
+        "that can serve).",
+    )
     loss_chunk_tokens: int = Field(
         1024,
         ge=1,
@@ -185,6 +191,12 @@ class LearnerConfig(Section):
         default_factory=LoraSection, description="LoRA adapters instead of full fine-tuning (rank 0: off)."
     )
     max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps; 0 runs until stopped.")
+    min_step_interval_s: float = Field(
+        0.0,
+        ge=0,
+        description="Take each batch at least this many seconds after the previous one (0: off); emulates a "
+        "trainer slower than its rollout fleet, so generation really lags (benchmarks/staleness_ablation).",
+    )
     publish_every: int = Field(1, ge=1, description="Publish (sync) weights every k optimizer steps.")
     snapshot_every: int = Field(
         0,

@@ -116,6 +116,17 @@ class PackedRows:
     order: Tensor  # long [b]; the samples longest first (ties by position), the order buckets index
     buckets: list[tuple[int, int, int]]  # (start, end, length): order[start:end] attend padded to length
     real_tokens: int  # tokens in the rows, padding (and the dummy row's token) excepted
+    # The same layout for a varlen attention kernel (learner.attention.varlen_attention): every sample's tokens
+    # one after another, in ``order``, with no padding.
+    varlen_index: Tensor  # long [sum L_i]; flat row position of each concatenated sample token
+    cu_seqlens: Tensor  # int32 [b + 1]; sample boundaries in the concatenation
+    varlen_target: Tensor  # long [r * W]; position in the concatenation that row position takes
+    max_seqlen: int  # the longest sample
+
+    @property
+    def varlen(self) -> tuple[Tensor, Tensor, Tensor, int]:
+        """The varlen kernel's maps, as ``learner.attention`` takes them."""
+        return self.varlen_index, self.cu_seqlens, self.varlen_target, self.max_seqlen
 
     def to(self, device: torch.device | str) -> PackedRows:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -344,6 +355,7 @@ def _packed_rows(
             flat_start[order[j]] = offset + (j - start) * length
         offset += (end - start) * length
     n_rows = 1 if varlen else len(rows)
+    lengths = [seqs[i].length for i in order]
     out = PackedRows(
         input_ids=torch.full((n_rows, width), pad_id, dtype=torch.long),
         position_ids=torch.zeros(n_rows, width, dtype=torch.long),
@@ -352,10 +364,30 @@ def _packed_rows(
         order=torch.tensor(order, dtype=torch.long),
         buckets=buckets,
         real_tokens=sum(seg_lengths),
+        varlen_index=torch.zeros(sum(lengths), dtype=torch.long),
+        cu_seqlens=torch.tensor([0, *accumulate(lengths)], dtype=torch.int32),
+        varlen_target=torch.zeros(n_rows * width, dtype=torch.long),
+        max_seqlen=lengths[0],
     )
     for base, members in zip(bases, rows, strict=True):
         _place_segment(out, seqs, members, base, flat_start)
+    _place_varlen(out, order, lengths)
     return out
+
+
+def _place_varlen(out: PackedRows, order: Sequence[int], lengths: Sequence[int]) -> None:
+    """Fill the varlen maps from ``source`` and ``target``: the concatenation is the bucket layout without
+    its padding, so each bucket position maps to the same sample token's concatenated position."""
+    cu = out.cu_seqlens.tolist()
+    out.varlen_index.copy_(torch.cat([out.source[i, :n] for i, n in zip(order, lengths, strict=True)]))
+    bucket_to_cat = torch.zeros(sum((e - s) * n for s, e, n in out.buckets), dtype=torch.long)
+    offset = 0
+    for start, end, width in out.buckets:
+        for j in range(start, end):
+            at = offset + (j - start) * width
+            bucket_to_cat[at : at + lengths[j]] = cu[j] + torch.arange(lengths[j])
+        offset += (end - start) * width
+    out.varlen_target.copy_(bucket_to_cat[out.target])
 
 
 def _place_segment(
@@ -414,6 +446,10 @@ def _dummy(pad_id: int) -> MicroBatch:
         order=zero.clone(),
         buckets=[(0, 1, 1)],
         real_tokens=0,
+        varlen_index=zero.clone(),
+        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
+        varlen_target=zero.clone(),
+        max_seqlen=1,
     )
     return MicroBatch(
         input_ids=one * pad_id,

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from learner.advantages import compute_advantages
-from learner.attention import PACKED_ATTENTION
+from learner.attention import PACKED_ATTENTION, PACKED_IMPLEMENTATIONS
 from learner.config import LearnerConfig
 from learner.logprobs import token_logprobs
 from learner.losses import compute_policy_loss, entropy_bonus, kl_penalty
@@ -122,7 +122,7 @@ def forward_hidden(model: nn.Module, mb: MicroBatch) -> Tensor:
     pre-backward hook on the root's outputs, and only these carry a gradient (the empty logits do not).
     """
     implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation != PACKED_ATTENTION:
+    if implementation not in PACKED_IMPLEMENTATIONS:
         raise ValueError(
             f"the learner's forward runs on packed rows but the model's attention is {implementation!r}; "
             f"load it with attn_implementation={PACKED_ATTENTION!r}, which "
@@ -137,6 +137,7 @@ def forward_hidden(model: nn.Module, mb: MicroBatch) -> Tensor:
         packed_target=rows.target,
         packed_order=rows.order,
         packed_buckets=rows.buckets,
+        packed_varlen=rows.varlen,
         logits_to_keep=torch.zeros_like(rows.input_ids, dtype=torch.bool),
         output_hidden_states=-1,  # only the last one: the others come back as None
         use_cache=False,

@@ -30,10 +30,10 @@ from broker.metrics import MetricsWriter
 from broker.record import TrajectoryGroup
 from broker.staleness import Lineage, RedisCounters, StalenessManager, staleness_stats
 from broker.version import PolicyVersion
-from learner.attention import register_packed_attention
+from learner.attention import register_packed_attention, resolve_attention_kernel
 from learner.checkpoint import CheckpointManager, CheckpointMeta, LedgerEntry, export_hf
 from learner.config import LearnerConfig
-from learner.distributed import DistInfo, shard_model
+from learner.distributed import DistInfo, compute_dtype, shard_model
 from learner.intake import (
     Intake,
     NotReady,
@@ -221,6 +221,9 @@ class Learner:
         self._unannounced = False  # the last sync did not reach the pool: sync again while idle
         self._last_resync_check = 0.0
         self._last_publish_metrics: dict[str, float] = {}  # the latest sync's, logged with the next step
+        self._batch: StepBatch | None = None  # rank 0: the step being trained
+        self._batch_started: float | None = None  # rank 0: when it arrived (monotonic)
+        self._paced_s = 0.0  # rank 0: how long learner.min_step_interval_s held the current step
         self.model, self.optimizer, self.scheduler = self._build_model()
         self.ref_model = self._build_reference() if config.loss.kl_coef > 0 else None
         # refused here, on every rank, when impossible; rank 0's intake drops groups with longer samples
@@ -236,9 +239,7 @@ class Learner:
             raise ValueError("shared.model_path is not set: the learner needs a Hugging Face model directory")
         torch.manual_seed(self.config.seed)
         model = AutoModelForCausalLM.from_pretrained(
-            self.shared.model_path,
-            dtype=torch.float32,
-            attn_implementation=register_packed_attention(),
+            self.shared.model_path, dtype=torch.float32, attn_implementation=self._attention()
         )
         model = apply_lora(model, self.config.lora)  # before sharding: FSDP2 shards the frozen base too
         model.to(self.info.device)
@@ -255,13 +256,20 @@ class Learner:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, config))
         return model, optimizer, scheduler
 
+    def _attention(self) -> str:
+        """The packed attention implementation ``learner.attention_kernel`` resolves to on this device."""
+        dtype = compute_dtype(self.config.mixed_precision, self.info.device)
+        name = resolve_attention_kernel(self.config.attention_kernel, self.info.device, dtype)
+        log.info("packed attention: %s (learner.attention_kernel = %s)", name, self.config.attention_kernel)
+        return register_packed_attention(name)
+
     def _build_reference(self) -> nn.Module:
         """The frozen reference policy for the KL: the initial weights (shared.model_path), sharded with FSDP2
         like the policy, without gradients, never updated or checkpointed (it is the model directory)."""
         from transformers import AutoModelForCausalLM
 
         ref = AutoModelForCausalLM.from_pretrained(
-            self.shared.model_path, dtype=torch.float32, attn_implementation=register_packed_attention()
+            self.shared.model_path, dtype=torch.float32, attn_implementation=self._attention()
         )
         ref.requires_grad_(False)
         ref.eval()
@@ -419,6 +427,8 @@ class Learner:
         if not self.info.is_main:
             return self._scatter(None)
         done = self.config.max_steps and self.step >= self.config.max_steps
+        if not done:
+            self._pace()
         try:
             wait_slice = min(self.config.idle_check_s, self.config.pg_timeout_s / 4)
             self.intake.step = self.step + 1
@@ -431,6 +441,15 @@ class Learner:
         self._batch = batch
         self._batch_started = time.monotonic()
         return self._scatter(self._payloads(batch))
+
+    def _pace(self) -> None:
+        """Hold the next batch until ``learner.min_step_interval_s`` after the previous one arrived: the fleet
+        keeps generating meanwhile, as it does ahead of a trainer slower than itself."""
+        interval, started = self.config.min_step_interval_s, self._batch_started
+        wait = 0.0 if not interval or started is None else started + interval - time.monotonic()
+        self._paced_s = max(wait, 0.0)
+        if wait > 0:
+            self.stop_requested.wait(wait)
 
     def _payloads(self, batch: StepBatch) -> list[StepPayload]:
         per_rank, plans, penalty = plan_updates(batch.groups, self.config, self.info.world_size)
@@ -484,8 +503,9 @@ class Learner:
             self._log_step(result.metrics, result.applied)
 
     def _log_step(self, train_metrics: dict[str, float], applied: bool) -> None:
-        batch = self._batch
-        wall = time.monotonic() - self._batch_started + batch.wait_s
+        batch, started = self._batch, self._batch_started
+        assert batch is not None and started is not None
+        wall = time.monotonic() - started + batch.wait_s
         metrics = {
             **train_metrics,
             **batch_metrics(batch, self.config, self.intake.lineage),
@@ -499,6 +519,7 @@ class Learner:
             step_applied=float(applied),
             lr=float(self.scheduler.get_last_lr()[0]),
             wait_seconds=batch.wait_s,
+            paced_seconds=self._paced_s,
             skipped_samples=float(self._skipped[0]),
             skipped_tokens=float(self._skipped[1]),
             step_seconds=wall,

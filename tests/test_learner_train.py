@@ -71,8 +71,9 @@ def test_learner_trains_filters_stale_and_acknowledges(tmp_path: Path, redis_url
     client = redis.Redis.from_url(redis_url)
 
     proc = start_learner(
-        tmp_path, redis_url, model_dir, "--learner.max_steps=3", "--learner.checkpoint_every=2"
-    )
+        tmp_path, redis_url, model_dir, "--learner.max_steps=3", "--learner.checkpoint_every=2",
+        "--learner.min_step_interval_s=2",
+    )  # fmt: skip
     wait_version(client, keys.version, 2, proc)
     # at version 2 the 4 remaining version-0 groups are 2 > eta = 1 behind: dropped as stale
     late = sample_groups(str(model_dir), 4, 4, version=2, start_index=200)
@@ -98,6 +99,9 @@ def test_learner_trains_filters_stale_and_acknowledges(tmp_path: Path, redis_url
     assert first["staleness/max"] == 0 and first["policy_version"] == 1
     # the trainer's log-probs of the sampled tokens equal the behaviour log-probs at staleness 0
     assert first["mismatch_abs"] < 1e-4
+    # min_step_interval_s held step 2's batch (queued since the start) until 2 s after step 1's arrived
+    second = {k.decode(): float(v) for k, v in points[1][1].items()}
+    assert first["paced_seconds"] == 0 and 0.5 < second["paced_seconds"] <= 2
     assert (tmp_path / "run" / "export" / "latest" / "model.safetensors").is_file()
 
 
