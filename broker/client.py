@@ -131,6 +131,8 @@ class BrokerKeys:
         str  # hash version -> resume point (broker.staleness.Lineage): the weights a resumed version holds
     )
     control: str  # control stream of version announcements (also the pub/sub channel name)
+    archive_recent: str  # list of the latest samples the archiver read, JSON (the dashboard's live viewer)
+    archive_status: str  # hash: the archiver's counters and its last error (broker.archive)
 
     @classmethod
     def of(cls, shared: SharedConfig, config: BrokerConfig) -> BrokerKeys:
@@ -151,6 +153,8 @@ class BrokerKeys:
             version_token=shared.key("policy_version:token"),
             lineage=shared.key("policy_version:lineage"),
             control=shared.key(config.control_stream),
+            archive_recent=shared.key("archive:recent"),
+            archive_status=shared.key("archive:status"),
         )
 
     def acked(self, consumer_group: str) -> str:

@@ -75,6 +75,9 @@ class BrokerConfig(Section):
     )
     dropped_stream: str = Field("dropped", description="Durable stream of dropped groups with their reason.")
     consumer_group: str = Field("learner", description="Consumer group the learner reads through.")
+    archive_group: str = Field(
+        "archive", description="Consumer group the archiver reads through (entries wait for it too)."
+    )
     max_backlog: int = Field(
         256, ge=1, description="Back-pressure bound on lag + pending entries; producers wait above it."
     )
@@ -118,3 +121,36 @@ class BrokerConfig(Section):
         True,
         description="Let glibc keep freed payload-sized buffers for reuse (see broker.client.tune_allocator).",
     )
+
+
+class ArchiveConfig(Section):
+    """The trajectory archive (``streamrl archive``): every group of the stream, with its learner outcome, in
+    Parquet files under the run directory."""
+
+    enabled: bool = Field(
+        True,
+        description="Run the archiver under `streamrl up` (its consumer group holds entries until archived).",
+    )
+    dir: Path | None = Field(None, description="Directory of the Parquet parts; default RUN_DIR/archive.")
+    part_bytes: int = Field(
+        64 * 2**20, ge=1, description="Roll to a new Parquet part once this many bytes of rows are waiting."
+    )
+    flush_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest a finished group waits in memory before its part is written, seconds.",
+    )
+    poll_s: float = Field(
+        1.0, gt=0, description="How often the archiver reads the stream and the learner's outcomes, seconds."
+    )
+    recent: int = Field(
+        24, ge=0, description="Latest samples kept in Redis for the dashboard's live sample viewer (0: none)."
+    )
+    wandb_artifact: bool = Field(
+        True,
+        description="Upload the archive as a wandb artifact when the run ends (when learner.wandb_mode is on).",
+    )
+
+    def directory(self, shared: SharedConfig) -> Path:
+        """Where the parts are written."""
+        return Path(self.dir) if self.dir is not None else Path(shared.run_dir) / "archive"

@@ -9,8 +9,9 @@ Delivery rules (docs/broker.md has the full story):
   leaves the backlog, all in one Lua script; the consumer moves on.
 * The caller acknowledges explicitly with :meth:`Consumer.ack` - the learner does so only once the checkpoint
   containing the entries' effect is durable. XACK, the backlog decrement (by the number actually acknowledged),
-  the record of acknowledged group ids and the deletion of stored payloads happen in one Lua script, so a
-  retried ack is harmless.
+  the record of acknowledged group ids and the deletion of a stored payload (by the last consumer group that
+  still needed its entry: the learner's, or the archive's) happen in one Lua script, so a retried ack is
+  harmless.
 * A group id that this consumer group already acknowledged, or that is already handed out under another entry
   id, is a duplicate: it is acknowledged at once and counted, never handed out twice.
 * :meth:`Consumer.claim_stale` takes over entries a dead consumer left pending (XAUTOCLAIM after
@@ -41,8 +42,30 @@ from broker.config import BrokerConfig, SharedConfig
 from broker.outcomes import RECORDS_LUA, Outcome
 from broker.record import KNOWN_SCHEMA_VERSIONS, RecordError, TrajectoryGroup
 
+# needed(stream, id): whether any consumer group still has the entry pending or not yet delivered. A payload
+# stored by reference is deleted by the last group to acknowledge its entry (the learner's, or the archive's).
+NEEDED_LUA = """
+local function needed(stream, id)
+  local im, is = string.match(id, '^(%d+)-(%d+)$')
+  im, is = tonumber(im), tonumber(is)
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local name, last
+    for j = 1, #g, 2 do
+      if g[j] == 'name' then name = g[j + 1] end
+      if g[j] == 'last-delivered-id' then last = g[j + 1] end
+    end
+    local lm, ls = string.match(last, '^(%d+)-(%d+)$')
+    lm, ls = tonumber(lm), tonumber(ls)
+    if im > lm or (im == lm and is > ls) then return true end
+    if #redis.call('XPENDING', stream, name, id, id, 1) > 0 then return true end
+  end
+  return false
+end
+"""
+
 _ACK = (
     RECORDS_LUA
+    + NEEDED_LUA
     + """
 -- KEYS: 1 stream, 2 backlog counter, 3 group-id hash, 4 acked set, 5 counters hash, 6 outcomes, 7 conflicts
 -- ARGV: 1 consumer group, 2 mode ('ack' | 'dup'), 3 primary group ('1' | '0'), 4 n,
@@ -70,9 +93,9 @@ for i = 1, n do
     if gid ~= '' then
       if ARGV[2] == 'ack' then redis.call('SADD', KEYS[4], gid) end
       -- only the entry the producer script added counts in the backlog and owns its payload key
-      if ARGV[3] == '1' and redis.call('HGET', KEYS[3], gid) == id then
-        counted = counted + 1
-        if ref ~= '' then redis.call('UNLINK', ref) end
+      if redis.call('HGET', KEYS[3], gid) == id then
+        if ARGV[3] == '1' then counted = counted + 1 end
+        if ref ~= '' and not needed(KEYS[1], id) then redis.call('UNLINK', ref) end
       end
     end
   end
@@ -87,6 +110,7 @@ return done
 
 _DEAD_LETTER = (
     RECORDS_LUA
+    + NEEDED_LUA
     + """
 -- KEYS: 1 stream, 2 dead-letter stream, 3 backlog counter, 4 group-id hash, 5 counters hash, 6 outcomes,
 --       7 conflicts
@@ -100,9 +124,9 @@ local fields = {'reason', ARGV[4], 'error', ARGV[5], 'entry_id', ARGV[2], 'gid',
 for i = 11, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('XADD', KEYS[2], '*', unpack(fields))
 if ARGV[8] == '1' and ARGV[3] ~= '' then record_outcome(KEYS[6], KEYS[7], ARGV[3], ARGV[10]) end
-if ARGV[8] == '1' and ARGV[3] ~= '' and redis.call('HGET', KEYS[4], ARGV[3]) == ARGV[2] then
-  redis.call('DECR', KEYS[3])
-  if ARGV[9] ~= '' then redis.call('UNLINK', ARGV[9]) end
+if ARGV[3] ~= '' and redis.call('HGET', KEYS[4], ARGV[3]) == ARGV[2] then
+  if ARGV[8] == '1' then redis.call('DECR', KEYS[3]) end
+  if ARGV[9] ~= '' and not needed(KEYS[1], ARGV[2]) then redis.call('UNLINK', ARGV[9]) end
 end
 redis.call('HINCRBY', KEYS[5], 'dead_lettered', 1)
 redis.call('HINCRBY', KEYS[5], 'dead_lettered:' .. ARGV[4], 1)
@@ -162,6 +186,18 @@ class Delivery:
     group: TrajectoryGroup
     delivery_count: int
     nbytes: int  # payload size
+
+
+@dataclass
+class Rejected:
+    """An entry that failed to decode or validate, handed to a consumer that keeps no dead letters (a secondary
+    group such as the archive's: the learner's group dead-letters the same entry). Acknowledge it by
+    ``entry_id`` once it is accounted for."""
+
+    entry_id: str
+    group_id: str  # the entry's gid field, '' when it has none
+    reason: str  # the dead-letter reason code the learner's group records for it
+    error: str
 
 
 @dataclass
@@ -238,7 +274,9 @@ def _check_entry(e: _Entry, decoder: Callable[[bytes], TrajectoryGroup] = decode
 class Consumer:
     """Reads one consumer group of the trajectory stream under a stable consumer ``name`` (a learner that
     restarts under the same name gets its unacknowledged entries back on its first read). ``decoder`` is
-    the payload codec (the msgpack one; the benchmark passes its JSON baseline through the same path)."""
+    the payload codec (the msgpack one; the benchmark passes its JSON baseline through the same path).
+    With ``dead_letters=False`` (a secondary group) bad entries are not dead-lettered again but kept for
+    :meth:`take_rejected`, and no entry is given up for its delivery count."""
 
     def __init__(
         self,
@@ -248,6 +286,7 @@ class Consumer:
         name: str,
         consumer_group: str | None = None,
         decoder: Callable[[bytes], TrajectoryGroup] = decode,
+        dead_letters: bool = True,
     ) -> None:
         if not name:
             raise ValueError(f"consumer name = {name!r}: must not be empty")
@@ -267,6 +306,8 @@ class Consumer:
         self._seen_connects = -1  # connection count at the last recovery; -1: never recovered
         self._claim_cursor = "0-0"
         self._group_ready = False
+        self.dead_letters = dead_letters
+        self._rejected: list[Rejected] = []  # bad entries not yet taken (dead_letters=False)
 
     # ----- setup and recovery -------------------------------------------------------------------------
 
@@ -369,8 +410,13 @@ class Consumer:
                 dups.append(e)
                 continue
             checked = _check_entry(e, self.decoder)
-            if not isinstance(checked, _Bad) and e.deliveries > self.config.max_deliveries:
+            over = self.dead_letters and e.deliveries > self.config.max_deliveries
+            if not isinstance(checked, _Bad) and over:
                 checked = _Bad("max_deliveries", f"delivered {e.deliveries} times > max_deliveries")
+            if isinstance(checked, _Bad) and not self.dead_letters:
+                self._rejected.append(Rejected(e.entry_id, e.gid, checked.reason, checked.error))
+                self._handed[e.entry_id] = (e.gid, e.ref)  # acknowledged by the caller, not fetched again
+                continue
             if isinstance(checked, _Bad):
                 await self._to_dead_letter(e, checked)
                 continue
@@ -477,6 +523,12 @@ class Consumer:
         if group_id in self._handed_gids:
             return True
         return bool(await self.client.sismember(self.keys.acked(self.group_name), group_id))
+
+    def take_rejected(self) -> list[Rejected]:
+        """The bad entries read since the last call (``dead_letters=False`` only); they stay pending until
+        acknowledged."""
+        out, self._rejected = self._rejected, []
+        return out
 
     @property
     def outstanding(self) -> int:

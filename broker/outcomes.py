@@ -114,6 +114,7 @@ class AuditReport:
     """Every group generated in a run, by what became of it. ``lost`` must be 0 and ``trained_twice`` 0."""
 
     generated: int = 0  # produced into the stream, or dropped by a rollout worker before it
+    produced: int = 0  # produced into the stream (what the trajectory archive holds)
     trained: int = 0
     dropped: int = 0
     dropped_by_reason: dict[str, int] = field(default_factory=dict)
@@ -181,7 +182,7 @@ async def audit(
     in_stream = await _stream_gids(client, keys, config.consumer_group)
     rollout_drops = {g for g, o in outcomes.items() if o.source == "rollout"}
     generated = produced | rollout_drops
-    report = AuditReport(generated=len(generated))
+    report = AuditReport(generated=len(generated), produced=len(produced))
     reasons: Counter[str] = Counter()
     for o in outcomes.values():
         if o.outcome == "trained":

@@ -117,6 +117,12 @@ def _run_eval(config: StreamRLConfig) -> int:
     )
 
 
+def _run_archive(config: StreamRLConfig) -> int:
+    from broker.archive import run_archive
+
+    return run_archive(config.shared, config.broker, config.archive, config.learner.wandb_mode)
+
+
 def _run_dashboard(config: StreamRLConfig) -> int:
     from streamrl.dashboard import run_dashboard
 
@@ -152,6 +158,12 @@ COMMANDS: dict[str, Command] = {
         ("shared", "broker", "rollout", "eval"),
         _run_eval,
         METRICS_FIELDS,
+    ),
+    "archive": Command(
+        "archive every trajectory group with its outcome as Parquet in the run directory",
+        ("shared", "broker", "archive"),
+        _run_archive,
+        ("learner.wandb_mode",),
     ),
     "dashboard": Command("serve the live dashboard", ("shared", "dashboard", "broker"), _run_dashboard),
     "up": Command(

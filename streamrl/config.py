@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from broker.config import BrokerConfig, RedisServerConfig, SharedConfig
+from broker.config import ArchiveConfig, BrokerConfig, RedisServerConfig, SharedConfig
 from broker.configlib import Section, load_config
 from learner.config import LearnerConfig
 from rollout_fleet.config import EngineConfig, RolloutConfig
@@ -87,6 +87,11 @@ class UpConfig(Section):
         5, ge=0, description="Restarts of each rollout worker within the restart window."
     )
     eval_restarts: int = Field(5, ge=0, description="Restarts of the evaluator within the restart window.")
+    archive_restarts: int = Field(
+        3,
+        ge=0,
+        description="Restarts of the archiver within the restart window; then the run goes on without it.",
+    )
     dashboard_restarts: int = Field(
         5, ge=0, description="Restarts of the dashboard within the restart window."
     )
@@ -101,6 +106,10 @@ class UpConfig(Section):
         description="Wait before restarting a role that died; doubles with each death in the window (max 30 s).",
     )
     status_interval_s: float = Field(10.0, gt=0, description="Seconds between two live status lines.")
+    allow_changed_run: bool = Field(
+        False,
+        description="Resume a run whose model or grader changed since its manifest.json (this up only).",
+    )
 
 
 class StreamRLConfig(Section):
@@ -121,6 +130,9 @@ class StreamRLConfig(Section):
     eval: EvalConfig = Field(
         default_factory=EvalConfig, description="Held-out evaluation alongside training."
     )
+    archive: ArchiveConfig = Field(
+        default_factory=ArchiveConfig, description="The trajectory archive (Parquet, every sample)."
+    )
     up: UpConfig = Field(default_factory=UpConfig, description="The single-node supervisor (streamrl up).")
 
     @model_validator(mode="after")
@@ -132,6 +144,11 @@ class StreamRLConfig(Section):
             raise ValueError(
                 f"broker.max_backlog = {self.broker.max_backlog} is below (learner.checkpoint_every + "
                 f"shared.eta + 1) x learner.groups_per_step = {needed}: the pipeline would deadlock"
+            )
+        if self.broker.archive_group == self.broker.consumer_group:
+            raise ValueError(
+                f"broker.archive_group = {self.broker.archive_group!r} is the learner's consumer group: the "
+                "archiver would take the learner's entries"
             )
         # A live learner holds entries pending until its next checkpoint; reclaiming sooner would steal them.
         min_idle_ms = 2 * self.learner.checkpoint_interval_s * 1000

@@ -10,7 +10,8 @@ for its readiness check before the next starts, and the supervisor then watches 
   ``"always"``: also after one). Exit code 2 means a configuration error in every role: restarting cannot
   help, so the run stops. When the budget is spent, the others are stopped in reverse order (SIGTERM, a grace
   period, SIGKILL) and ``failure`` says which role and why.
-- A child that exits 0 with ``finishes_run`` ends the run.
+- A child that exits 0 with ``finishes_run`` ends the run. An inessential child (``essential=False``: the
+  archiver) whose budget is spent is left stopped and the run goes on.
 - Every child gets SIGTERM when the supervisor itself dies (``broker.lifecycle.die_with_parent``), so a
   ``kill -9`` of the supervisor leaves nothing running; ``records_path`` keeps the children's pids and start
   times, so the next start of the same run can stop any that are still draining.
@@ -52,6 +53,8 @@ class ChildSpec:
     max_restarts: int = 3  # restarts allowed within the supervisor's restart window
     # A child that exits 0 on its own (a one-shot job) ends the run when it is `finishes_run`.
     finishes_run: bool = False
+    # An inessential child (the archiver) that cannot be restarted is left stopped; the run goes on.
+    essential: bool = True
 
 
 @dataclass
@@ -208,17 +211,26 @@ class Supervisor:
             log.info("%s exited cleanly", spec.name)
             state.done = True
             return
-        if spec.restart == "never" or code == CONFIG_ERROR_EXIT:
-            raise ChildFailed(self._death_message(state))
         while state.deaths and now - state.deaths[0] > self.restart_window_s:
             state.deaths.popleft()
         state.deaths.append(now)
         recent = len(state.deaths)
-        if recent > spec.max_restarts:
-            raise ChildFailed(
+        if spec.restart == "never" or code == CONFIG_ERROR_EXIT:
+            failure = self._death_message(state)
+        elif recent > spec.max_restarts:
+            failure = (
                 f"{spec.name} died {recent} times within {self.restart_window_s:.0f} s, more than its restart "
                 f"budget of {spec.max_restarts}; the last time: {self._death_message(state)}"
             )
+        else:
+            failure = None
+        if failure and spec.essential:
+            raise ChildFailed(failure)
+        if failure:
+            log.error("%s; the run goes on without it", failure)
+            self.say(f"{spec.name} is stopped for good; the run goes on without it (see its log)")
+            state.done = True
+            return
         delay = min(MAX_RESTART_DELAY_S, self.restart_delay_s * 2 ** (recent - 1))
         message = (
             f"{spec.name} (pid {state.process.pid}) died with "

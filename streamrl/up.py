@@ -13,6 +13,10 @@ from its last durable checkpoint, the rollout workers, the evaluator and the das
 ``streamrl up --resume RUN_DIR`` continues a stopped run from its checkpoint and its stream, with no sample
 trained twice. One ``up`` at a time holds a run directory (``RUN_DIR/up.lock``); processes of an earlier ``up``
 of the same directory that are still alive (listed in ``RUN_DIR/processes.json``) are stopped first.
+
+``RUN_DIR/manifest.json`` (streamrl.manifest) records what produced the run: written before any role starts,
+completed at the end. A later ``up`` of the same directory appends to its ``resumes`` and refuses to start when
+the model or the grader changed since, unless ``up.allow_changed_run`` is set.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ import redis
 
 from broker.client import BrokerKeys
 from broker.configlib import ConfigError, dump_config
-from broker.discovery import resolve_redis_url, url_file
+from broker.discovery import RedisNotFound, resolve_redis_url, url_file
 from broker.lifecycle import read_records, stop_leftovers
 from broker.server import free_port
 from rollout_fleet.fleet import engine_ranks
+from streamrl import manifest
 from streamrl.config import StreamRLConfig
 from streamrl.status import StatusReader
 from streamrl.supervisor import ChildSpec, Supervisor
@@ -60,6 +65,21 @@ def _redis_ready(config: StreamRLConfig) -> bool:
     return bool(redis.Redis.from_url(path.read_text().strip(), socket_timeout=2).ping())
 
 
+def _archive_ready(config: StreamRLConfig) -> bool:
+    """The archiver's consumer group exists: every entry produced from now on waits for it."""
+    keys = BrokerKeys.of(config.shared, config.broker)
+    try:
+        with contextlib.closing(
+            redis.Redis.from_url(resolve_redis_url(config.shared), socket_timeout=2)
+        ) as c:
+            groups = c.xinfo_groups(keys.stream)
+    except (redis.RedisError, RedisNotFound):
+        return False
+    return any(
+        g["name"] in (config.broker.archive_group, config.broker.archive_group.encode()) for g in groups
+    )
+
+
 def _version_published(config: StreamRLConfig) -> bool:
     """The learner is ready once it has published a policy version (its weights are on the engines). Reads the
     run's Redis wherever it is: the embedded server's URL file, or ``shared.redis_url`` / REDIS_URL."""
@@ -75,8 +95,15 @@ def _argv(role: str, config_path: Path, *extra: str) -> list[str]:
 
 
 def prepare(config: StreamRLConfig) -> StreamRLConfig:
+    """Fill in what ``up`` decides (:func:`resolve`) and write the resolved config to RUN_DIR/config.toml."""
+    cfg = resolve(config)
+    write_config(cfg)
+    return cfg
+
+
+def resolve(config: StreamRLConfig) -> StreamRLConfig:
     """Fill in what ``up`` decides: the model (the task's cached warm-started tiny model by default), free ports,
-    the engine URLs every role uses. Returns the resolved config, also written to RUN_DIR/config.toml."""
+    the engine URLs every role uses. Returns the resolved config."""
     cfg = config.model_copy(deep=True)
     if cfg.shared.model_path is None:
         from rollout_fleet.warmstart import warm_model_for_task
@@ -91,8 +118,66 @@ def prepare(config: StreamRLConfig) -> StreamRLConfig:
     if cfg.dashboard.port == 0:
         cfg.dashboard.port = free_port()
     cfg.shared.run_dir = Path(cfg.shared.run_dir).resolve()
-    dump_config(cfg, cfg.shared.run_dir / "config.toml")
     return cfg
+
+
+def write_config(cfg: StreamRLConfig) -> None:
+    """RUN_DIR/config.toml, which ``up --resume`` reads back. ``up.allow_changed_run`` is left out: it lets
+    this ``up`` go on past a changed model or grader, never a later resume."""
+    saved = cfg.model_copy(deep=True)
+    saved.up.allow_changed_run = False
+    dump_config(saved, cfg.shared.run_dir / "config.toml")
+
+
+def start_manifest(cfg: StreamRLConfig, argv: list[str] | None = None) -> dict[str, Any]:
+    """Write RUN_DIR/manifest.json before anything starts: a new manifest, or, when the run directory has one,
+    this resume appended to it after the check that its model and grader did not change (ConfigError naming
+    each change unless ``up.allow_changed_run``). Returns the manifest written."""
+    path = cfg.shared.run_dir / manifest.MANIFEST_FILE
+    record = manifest.run_record(cfg, argv)
+    try:
+        doc = manifest.read_manifest(path)
+    except ValueError as exc:
+        if not cfg.up.allow_changed_run:
+            raise ConfigError(f"{exc}; fix or remove it, or set --up.allow_changed_run=true") from None
+        print(f"streamrl up: WARNING: {exc}; writing a new manifest", file=sys.stderr, flush=True)
+        doc = None
+    if doc is None:
+        doc = manifest.new_manifest(record, cfg.shared.run_dir, cfg.shared.run_id)
+        if (cfg.shared.run_dir / "checkpoints").exists():
+            doc["note"] = "written on a later up of a run directory that had no manifest"
+    else:
+        try:
+            found = manifest.check_resume(doc, record, cfg.up.allow_changed_run, path)
+        except manifest.ChangedRunError as exc:
+            raise ConfigError(str(exc)) from None
+        for change in found:
+            print(f"streamrl up: WARNING: going on with a changed {change}", file=sys.stderr, flush=True)
+        doc = manifest.add_resume(doc, record)
+    manifest.write_manifest(path, doc)
+    return doc
+
+
+def record_redis(cfg: StreamRLConfig, doc: dict[str, Any]) -> dict[str, Any]:
+    """The manifest with the run's Redis server version (``INFO server``); unchanged when Redis does not answer."""
+    try:
+        client = redis.Redis.from_url(resolve_redis_url(cfg.shared), socket_timeout=5)
+        try:
+            info = client.info("server")
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, ConfigError) as exc:
+        log.warning("manifest: no Redis server version (%s)", exc)
+        return doc
+    doc = manifest.with_redis(doc, info)
+    manifest.write_manifest(cfg.shared.run_dir / manifest.MANIFEST_FILE, doc)
+    return doc
+
+
+def finish_manifest(cfg: StreamRLConfig, doc: dict[str, Any], code: int, totals: dict[str, Any]) -> None:
+    """Complete the manifest at the end: end time, exit status, final step and policy version."""
+    doc = manifest.finish(doc, code, totals.get("steps"), totals.get("policy_version"))
+    manifest.write_manifest(cfg.shared.run_dir / manifest.MANIFEST_FILE, doc)
 
 
 def child_specs(cfg: StreamRLConfig, config_path: Path) -> tuple[list[ChildSpec], list[ChildSpec]]:
@@ -107,6 +192,9 @@ def child_specs(cfg: StreamRLConfig, config_path: Path) -> tuple[list[ChildSpec]
     before: list[ChildSpec] = []
     if not cfg.shared.redis_url:
         before.append(role("redis", "redis", up.redis_restarts, ready=lambda: _redis_ready(cfg)))
+    if cfg.archive.enabled:  # before any group is produced, so its consumer group sees every entry
+        before.append(role("archive", "archive", up.archive_restarts, ready=lambda: _archive_ready(cfg),
+                           essential=False))  # fmt: skip
     for i, url in enumerate(cfg.rollout.engine_urls):
         port, seed = url.rsplit(":", 1)[1], json.dumps(cfg.engine.seed_of(i))
         engine = role(
@@ -219,7 +307,9 @@ def run_up(config: StreamRLConfig) -> int:
 def _run_up(config: StreamRLConfig) -> int:
     started = time.time()
     stop_earlier_processes(config)
-    cfg = prepare(config)
+    cfg = resolve(config)
+    run_manifest = start_manifest(cfg)  # refuses a resume whose model or grader changed, before anything runs
+    write_config(cfg)
     run_dir = cfg.shared.run_dir
     print(f"streamrl up: run directory {run_dir} (logs in {run_dir / 'logs'})", flush=True)
     sup = Supervisor(
@@ -238,6 +328,7 @@ def _run_up(config: StreamRLConfig) -> int:
     try:
         for spec in before:
             sup.start(spec)
+        run_manifest = record_redis(cfg, run_manifest)
         summary["eval_before"] = evaluate_now(cfg, "before")
         gen_started = time.time()
         summary["training_started_at"] = gen_started
@@ -258,6 +349,7 @@ def _run_up(config: StreamRLConfig) -> int:
     if sup.failure:
         print(f"streamrl up: stopped because {sup.failure}", file=sys.stderr, flush=True)
     write_summary(cfg, summary, started, totals)
+    finish_manifest(cfg, run_manifest, code, totals)
     return code
 
 

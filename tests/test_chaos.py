@@ -39,7 +39,7 @@ from benchmarks.crash_cost import (
     wait_for_step,
 )
 from broker.lifecycle import read_records
-from tests.test_up import metrics_base_port
+from tests.test_up import assert_archive_complete, metrics_base_port
 
 pytestmark = pytest.mark.timeout(900)
 STALE_MARGIN = 0.05  # the bound: within 5 points of a run with no kill
@@ -65,6 +65,7 @@ def check_run(run_dir: Path, out: str) -> tuple[dict, dict]:
     assert summary["eval_after_is_final_policy"] is True, summary
     assert summary["eval_version_after"] == summary["final_policy_version"] >= STEPS
     assert summary["audit"]["lost"] == 0  # the same figures, in summary.json
+    assert_archive_complete(run_dir, report)  # whatever was killed, every group archived exactly once
     return summary, report
 
 
@@ -101,6 +102,7 @@ def run_with_kill(warm_model: Path, run_dir: Path, target: str) -> tuple[str, di
         pytest.param("rollout-0", marks=pytest.mark.slow),
         pytest.param("eval", marks=pytest.mark.slow),
         pytest.param("dashboard", marks=pytest.mark.slow),
+        pytest.param("archive", marks=pytest.mark.slow),
         pytest.param("redis", marks=pytest.mark.slow),  # `streamrl redis`, which runs the server
     ],
 )

@@ -113,6 +113,25 @@ def scrape_once_listening(url: str, wait_s: float = 60.0) -> dict:
             time.sleep(0.5)
 
 
+def assert_archive_complete(run_dir: Path, audit: dict, group_size: int = 8) -> None:
+    """Every group that entered the stream is in the run's archive exactly once (a part, or the pending snapshot
+    of groups the learner had not decided when the run stopped), and the parts hold every trained sample."""
+    from collections import Counter
+
+    from broker.archive import read_archive
+
+    rows = read_archive(
+        run_dir / "archive", include_pending=True, columns=["group_id", "outcome"]
+    ).to_pylist()
+    per_group = Counter(r["group_id"] for r in rows)
+    assert len(per_group) == audit["produced"] and set(per_group.values()) == {group_size}, (
+        len(per_group),
+        audit,
+    )
+    trained = sum(r["outcome"] == "trained" for r in rows)
+    assert trained == audit["trained"] * group_size, (trained, audit)
+
+
 def trained_group_ids(run_dir: Path) -> list[str]:
     ids = []
     for meta in sorted((run_dir / "checkpoints").glob("step_*/meta.json")):
@@ -210,6 +229,9 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
     stale = [s["audit"]["dropped_by_reason"].get("stale", 0) for s in (summary, resumed)]
     assert stale[1] - stale[0] <= 2 * 16, stale
     assert resumed["audit"]["lost"] == 0 and resumed["audit"]["trained_twice"] == 0
+    assert_archive_complete(
+        run_dir, resumed["audit"]
+    )  # the groups pending at the stop archived once, on resume
 
 
 def test_sigterm_stops_every_role_cleanly(tmp_path: Path, warm_model: Path) -> None:
