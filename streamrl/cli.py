@@ -22,6 +22,7 @@ commands:
 
   model init  build (or find cached) the warm-started tiny model: `streamrl model init --help`
   audit RUN_DIR  account for every prompt group of a run: generated, trained, dropped, lost
+  inspect RUN_DIR  the run's trajectory archive: rewards by step, staleness, best / worst / random samples
 
 `streamrl COMMAND --help` lists every config field the command reads, with its type, default and doc.
 Values come from the defaults, then REDIS_URL, then --config, then the dotted overrides. Every role starts here
@@ -222,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         from streamrl.audit import main as audit_main
 
         return audit_main(rest)
+    if name == "inspect":
+        from streamrl.inspect import main as inspect_main
+
+        return inspect_main(rest)
     command = COMMANDS.get(name)
     if command is None:
         print(f"streamrl: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
