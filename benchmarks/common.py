@@ -1,6 +1,7 @@
 """Shared by every benchmark: the machine description, the git sha, targets, a readable table, and the
-result file ``{benchmark, mode, git_sha, machine, params, results, targets, passed}`` (plus the headline keys an
-issue names, repeated at the top level)."""
+result file ``{benchmark, mode, git_sha, machine, manifest, params, results, targets, passed}`` (plus the headline
+keys an issue names, repeated at the top level). ``manifest`` is streamrl.manifest.environment(): code, Python and
+package versions, machine (with GPUs), and the model's file hashes when the benchmark names its model."""
 
 from __future__ import annotations
 
@@ -80,9 +81,13 @@ def write_result(
     results: Mapping[str, Any],
     targets: Mapping[str, tuple[str, float]],
     headline: Mapping[str, Any] | None = None,
+    model: Path | str | None = None,
 ) -> dict[str, Any]:
-    """Evaluate ``targets`` against ``headline`` (the top-level numbers) and write the result JSON atomically.
-    Returns the written document."""
+    """Evaluate ``targets`` against ``headline`` (the top-level numbers) and write the result JSON atomically,
+    with the run manifest's parts that make sense without a run (and ``model``'s hashes when given). Returns the
+    written document."""
+    from streamrl.manifest import environment
+
     headline = dict(headline or {})
     checked, passed = evaluate_targets(headline, targets)
     doc: dict[str, Any] = {
@@ -91,6 +96,7 @@ def write_result(
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "git_sha": git_sha(),
         "machine": machine_info(),
+        "manifest": environment(model),
         "params": dict(params),
         **headline,
         "results": dict(results),

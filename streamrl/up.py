@@ -166,7 +166,7 @@ def record_redis(cfg: StreamRLConfig, doc: dict[str, Any]) -> dict[str, Any]:
             info = client.info("server")
         finally:
             client.close()
-    except (redis.RedisError, OSError, ConfigError) as exc:
+    except (redis.RedisError, OSError, RuntimeError) as exc:  # RuntimeError: broker.discovery.RedisNotFound
         log.warning("manifest: no Redis server version (%s)", exc)
         return doc
     doc = manifest.with_redis(doc, info)
