@@ -2,10 +2,17 @@
 
 The engines serve the current policy, so evaluating through them measures exactly the weights the fleet is
 sampling from, with no extra copy of the model. Each evaluation runs every held-out prompt greedily
-(temperature 0: the accuracy ``summary.json`` reports) and sampled at temperature 1, scores with the task's
-verifier (correctness only), and writes one point to the ``eval`` metrics stream with the policy version the
-engines reported. Held-out prompts come from the task's test split, which the task keeps disjoint from its
-training prompts (``rollout_fleet.tasks``).
+(temperature 0: the accuracy ``summary.json`` reports) and sampled at temperature 1 (``samples_per_prompt``
+answers before and after training, ``live_samples_per_prompt`` in the live loop), and writes one point to the
+``eval`` metrics stream with the policy version the engines reported. Held-out prompts come from the task's test
+split, which the task keeps disjoint from its training prompts (``rollout_fleet.tasks``).
+
+Scoring: with the training reward by default (``eval.reward = "training"``: ``rollout.reward.function`` when
+set, else the task's verifier), or the task's verifier (``task``), or another function by import path. It runs
+where training runs it, in a :class:`RewardPool` of sandboxed processes with ``rollout.reward``'s timeout,
+on the text decoded as the rollout worker decodes it. Accuracy, pass@k and the per-bucket accuracy follow
+``rollout_fleet.eval_stats.solved`` (the ``correct`` component, else reward > 0); the point carries the mean
+reward and components too, and ``reward_source/<training|task|function>`` = 1 says which reward scored it.
 
 Which engines: before it starts, an evaluation probes every engine's ``weight_version`` and uses only those
 serving at least the version it was asked to evaluate (the published one), so an engine that restarted on its
@@ -21,11 +28,12 @@ import contextlib
 import logging
 import signal
 import time
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from broker.client import connect
 from broker.config import BrokerConfig, SharedConfig
@@ -33,9 +41,17 @@ from broker.configlib import Section
 from broker.discovery import resolve_redis_url
 from broker.metrics import MetricsReader, MetricsWriter
 from broker.version import PolicyVersion
-from rollout_fleet.client import EngineClient, SamplingConfig, build_generate_request, parse_version
+from rollout_fleet.client import (
+    EngineClient,
+    SamplingConfig,
+    build_generate_request,
+    build_group_request,
+    parse_version,
+)
 from rollout_fleet.config import RolloutConfig
-from rollout_fleet.tasks import TEST, Prompt, Task
+from rollout_fleet.eval_stats import buckets_of, by_bucket, component_means, pass_at_k_of, pass_at_ks, solved
+from rollout_fleet.rewards import RewardPool
+from rollout_fleet.tasks import TEST, Prompt, RewardResult, Task
 
 log = logging.getLogger("streamrl.eval")
 
@@ -56,6 +72,66 @@ class EvalConfig(Section):
     sampled_temperature: float = Field(1.0, gt=0, description="Temperature of the sampled accuracy.")
     concurrency: int = Field(64, ge=1, description="Evaluation requests in flight at once.")
     poll_s: float = Field(1.0, gt=0, description="How often the evaluator checks the policy version.")
+    reward: str = Field(
+        "training",
+        description="Held-out scoring: training (rollout.reward.function, else the task's verifier), task, or "
+        "package.module:function.",
+    )
+    samples_per_prompt: int = Field(
+        0,
+        ge=0,
+        description="Sampled answers per held-out prompt before and after training (pass@k up to it); 0: "
+        "rollout.group_size.",
+    )
+    live_samples_per_prompt: int = Field(
+        1,
+        ge=1,
+        description="Sampled answers per held-out prompt in live evaluations (each one is a generation).",
+    )
+
+    @field_validator("reward")
+    @classmethod
+    def _known_reward(cls, value: str) -> str:
+        if value not in ("training", "task") and ":" not in value:
+            raise ValueError(f"{value!r}: expected training, task or package.module:function")
+        return value
+
+
+@dataclass(frozen=True)
+class EvalReward:
+    """What held-out answers are scored with: a reward pool scorer, its options, and where it came from."""
+
+    scorer: str
+    options: dict[str, Any]
+    source: str  # training | task | function
+
+
+def eval_reward(rollout: RolloutConfig, config: EvalConfig) -> EvalReward:
+    """The evaluation's reward per ``eval.reward``; ``training`` is exactly what the rollout workers run."""
+    from rollout_fleet.main import scorer_of
+
+    if config.reward == "training":
+        return EvalReward(*scorer_of(rollout), "training")
+    if config.reward == "task":
+        return EvalReward(rollout.task.name, rollout.task.options(), "task")
+    return EvalReward(config.reward, {}, "function")
+
+
+def reward_pool(rollout: RolloutConfig) -> RewardPool:
+    """A reward pool set up as the rollout workers' (workers, timeout, start method)."""
+    r = rollout.reward
+    return RewardPool(r.workers, r.timeout_s, r.load_timeout_s, r.start_method)
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """An evaluation's reward and the pool it runs in."""
+
+    reward: EvalReward
+    pool: RewardPool
+
+    async def score(self, prompt: Prompt, text: str) -> RewardResult:
+        return await self.pool.score(self.reward.scorer, prompt, text, self.reward.options)
 
 
 class NoEngineAtVersion(RuntimeError):
@@ -72,9 +148,11 @@ class EvalResult:
     seconds: float
     max_version: int = -1  # highest weight version the engines answered with
     engines: int = 0  # engines the prompts were spread over
+    details: Mapping[str, float] = field(default_factory=dict)  # rewards, pass@k, buckets, reward source
 
     def as_metrics(self) -> dict[str, float]:
         return {
+            **self.details,
             "greedy_accuracy": self.greedy_accuracy,
             "sampled_accuracy": self.sampled_accuracy,
             "format_rate": self.format_rate,
@@ -106,21 +184,42 @@ async def engines_at_version(
     return ready
 
 
-async def _one(
-    client: EngineClient,
-    task: Task,
-    tokenizer: Any,
-    prompt: Prompt,
-    sampling: SamplingConfig,
-    max_new_tokens: int,
-    rid: str,
-) -> tuple[float, float, int]:
+_Scored = tuple[RewardResult, int]  # a scored answer and the weight version that produced it
+
+
+class _Permits:
+    """A semaphore of request slots that a batch of n samples takes n of at once (the lock keeps two batches
+    from each holding part of what both need)."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self._free, self._lock = total, asyncio.Semaphore(total), asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, count: int) -> AsyncIterator[None]:
+        count = min(count, self.total)
+        async with self._lock:
+            for _ in range(count):
+                await self._free.acquire()
+        try:
+            yield
+        finally:
+            for _ in range(count):
+                self._free.release()
+
+
+async def _answers(
+    client: EngineClient, tokenizer: Any, prompt: Prompt, sampling: SamplingConfig, budget: int, count: int
+) -> list[tuple[str, int]]:
+    """(text, weight version) of ``count`` answers to one prompt; several go as one batched request."""
     ids = tokenizer(prompt.text, add_special_tokens=False).input_ids
-    result = await client.generate(build_generate_request(ids, sampling, max_new_tokens, rid))
-    text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
-    scored = task.score(prompt, text)
-    correct = float(scored.components.get("correct", scored.reward))
-    return correct, float(scored.components.get("format", 0.0)), result.weight_version
+    rid = f"eval-t{sampling.temperature:g}-{prompt.index}-{time.monotonic_ns()}"
+    if count == 1:
+        results = [await client.generate(build_generate_request(ids, sampling, budget, rid))]
+    else:
+        rids = [f"{rid}-{i}" for i in range(count)]
+        results = await client.generate_batch(build_group_request(ids, sampling, budget, rids))
+    # decoded as the rollout worker decodes (special tokens kept): the reward sees what it sees in training
+    return [(tokenizer.decode(r.output_ids, skip_special_tokens=False), r.weight_version) for r in results]
 
 
 async def evaluate_through_engines(
@@ -129,48 +228,101 @@ async def evaluate_through_engines(
     tokenizer: Any,
     config: EvalConfig,
     stop_token_ids: tuple[int, ...],
+    scoring: Scoring,
     timeout_s: float = 120.0,
     min_version: int = 0,
     generate_timeout_s: float | None = None,
+    samples: int = 1,
 ) -> EvalResult:
-    """Greedy and sampled accuracy over the first ``config.heldout_prompts`` held-out prompts, spread
-    round-robin over the engines of ``urls`` that serve ``min_version`` or later, with at most
-    ``config.concurrency`` requests in flight. ``timeout_s`` bounds the control calls; a ``/generate`` call gets
-    ``generate_timeout_s`` (default the same): long outputs take long."""
+    """Greedy accuracy and ``samples`` sampled answers per prompt over the first ``config.heldout_prompts``
+    held-out prompts, spread round-robin over the engines of ``urls`` that serve ``min_version`` or later, with
+    at most ``config.concurrency`` requests in flight, scored by ``scoring``. ``timeout_s`` bounds the control
+    calls; a ``/generate`` call gets ``generate_timeout_s`` (default the same): long outputs take long."""
     started = time.monotonic()
     n = min(config.heldout_prompts, task.num_prompts(TEST))
+    if n == 0:
+        raise ValueError(f"task {task.name} has no held-out prompts (a dataset task needs test_dataset)")
     prompts = [task.make_prompt(i, TEST) for i in range(n)]
-    modes = {
-        "greedy": SamplingConfig(temperature=0.0, stop_token_ids=stop_token_ids),
-        "sampled": SamplingConfig(temperature=config.sampled_temperature, stop_token_ids=stop_token_ids),
-    }
-    gate = asyncio.Semaphore(config.concurrency)
+    greedy = SamplingConfig(temperature=0.0, stop_token_ids=stop_token_ids)
+    sampled = SamplingConfig(temperature=config.sampled_temperature, stop_token_ids=stop_token_ids)
+    permits = _Permits(config.concurrency)
     async with aiohttp.ClientSession() as session:
         ready = await engines_at_version(session, urls, min_version, min(timeout_s, 10.0))
         clients = [EngineClient(session, u, generate_timeout_s or timeout_s, timeout_s) for u in ready]
 
-        async def run(k: int, mode: str, prompt: Prompt) -> tuple[str, float, float, int]:
-            async with gate:
-                client = clients[k % len(clients)]
-                rid = f"eval-{mode}-{prompt.index}-{time.monotonic_ns()}"
-                scored = await _one(client, task, tokenizer, prompt, modes[mode], config.max_new_tokens, rid)
-                return (mode, *scored)
+        async def run(k: int, prompt: Prompt, sampling: SamplingConfig, count: int) -> list[_Scored]:
+            async with permits.hold(count):
+                answers = await _answers(
+                    clients[k % len(clients)], tokenizer, prompt, sampling, config.max_new_tokens, count
+                )
+            return [(await scoring.score(prompt, text), version) for text, version in answers]
 
-        jobs = [run(k, mode, p) for mode in modes for k, p in enumerate(prompts)]
-        results = await asyncio.gather(*jobs)
-    greedy = [c for m, c, _, _ in results if m == "greedy"]
-    sampled = [c for m, c, _, _ in results if m == "sampled"]
-    formats = [f for m, _, f, _ in results if m == "greedy"]
-    return EvalResult(
-        greedy_accuracy=sum(greedy) / n,
-        sampled_accuracy=sum(sampled) / n,
-        format_rate=sum(formats) / n,
-        n=n,
-        version=min(v for _, _, _, v in results),
-        seconds=time.monotonic() - started,
-        max_version=max(v for _, _, _, v in results),
-        engines=len(clients),
-    )
+        greedy_runs = asyncio.gather(*(run(k, p, greedy, 1) for k, p in enumerate(prompts)))
+        sampled_runs = asyncio.gather(*(run(k, p, sampled, samples) for k, p in enumerate(prompts)))
+        by_greedy, by_sampled = await asyncio.gather(greedy_runs, sampled_runs)
+    result = summarise(task, prompts, by_greedy, by_sampled, scoring.reward)
+    return EvalResult(**result, seconds=time.monotonic() - started, engines=len(clients))
+
+
+def summarise(
+    task: Task,
+    prompts: Sequence[Prompt],
+    greedy: Sequence[Sequence[_Scored]],
+    sampled: Sequence[Sequence[_Scored]],
+    reward: EvalReward,
+) -> dict[str, Any]:
+    """EvalResult's fields (but seconds and engines) from every prompt's scored greedy and sampled answers."""
+    g = [answers[0][0] for answers in greedy]
+    s = [[r for r, _ in answers] for answers in sampled]
+    samples = len(s[0])
+    flat = [r for answers in s for r in answers]
+    versions = [v for answers in (*greedy, *sampled) for _, v in answers]
+    g_solved = [float(solved(r)) for r in g]
+    s_counts = [sum(solved(r) for r in answers) for answers in s]
+    details = {
+        "greedy_reward": sum(r.reward for r in g) / len(g),
+        "sampled_reward": sum(r.reward for r in flat) / len(flat),
+        "reward_errors": float(sum(r.status != "ok" for r in (*g, *flat))),
+        "samples_per_prompt": float(samples),
+        f"reward_source/{reward.source}": 1.0,
+        **{f"greedy_component/{k}": v for k, v in component_means(g).items()},
+        **{f"pass@{k}": v for k, v in pass_at_ks(s_counts, samples).items()},
+        **_bucket_metrics(task, prompts, g_solved, [c / samples for c in s_counts]),
+    }
+    return {
+        "greedy_accuracy": sum(g_solved) / len(g),
+        "sampled_accuracy": sum(s_counts) / len(flat),
+        "format_rate": sum(r.components.get("format", 0.0) for r in g) / len(g),
+        "n": len(g),
+        "version": min(versions),
+        "max_version": max(versions),
+        "details": details,
+    }
+
+
+def _bucket_metrics(
+    task: Task, prompts: Sequence[Prompt], greedy: list[float], sampled: list[float]
+) -> dict[str, float]:
+    """``bucket/greedy/<bucket>``, ``bucket/sampled/<bucket>``, ``bucket/n/<bucket>`` for a task with buckets."""
+    buckets = [task.difficulty(p) for p in prompts]
+    out = {}
+    for name, values in (("greedy", greedy), ("sampled", sampled)):
+        for bucket, (mean, count) in by_bucket(buckets, values).items():
+            out[f"bucket/{name}/{bucket}"] = mean
+            out[f"bucket/n/{bucket}"] = float(count)
+    return out
+
+
+def summary_fields(rollout: RolloutConfig, config: EvalConfig, before: dict, after: dict) -> dict[str, Any]:
+    """What summary.json adds about the evaluations: the reward that scored them, pass@k and buckets."""
+    reward = eval_reward(rollout, config)
+    return {
+        "eval_reward": {"source": reward.source, "scorer": reward.scorer},
+        "eval_pass_at_k_before": pass_at_k_of(before),
+        "eval_pass_at_k_after": pass_at_k_of(after),
+        "eval_buckets_before": buckets_of(before),
+        "eval_buckets_after": buckets_of(after),
+    }
 
 
 def _tokenizer_and_task(shared: SharedConfig, rollout: RolloutConfig) -> tuple[Any, Task]:
@@ -195,19 +347,23 @@ def _stop_ids(tokenizer: Any, rollout: RolloutConfig) -> tuple[int, ...]:
 async def run_evaluation_once(
     shared: SharedConfig, rollout: RolloutConfig, config: EvalConfig, label: str = "", min_version: int = 0
 ) -> dict[str, float]:
-    """One evaluation of what the engines serving ``min_version`` or later serve now, written to the ``eval``
-    metrics stream; NoEngineAtVersion when no engine serves it."""
+    """One evaluation of what the engines serving ``min_version`` or later serve now (``samples_per_prompt``
+    sampled answers a prompt: ``streamrl up``'s before and after), written to the ``eval`` metrics stream;
+    NoEngineAtVersion when no engine serves it."""
     tokenizer, task = _tokenizer_and_task(shared, rollout)
-    result = await evaluate_through_engines(
-        list(rollout.engine_urls),
-        task,
-        tokenizer,
-        config,
-        _stop_ids(tokenizer, rollout),
-        shared.http_timeout_s * 4,
-        min_version,
-        rollout.request_timeout_s,
-    )
+    async with reward_pool(rollout) as pool:
+        result = await evaluate_through_engines(
+            list(rollout.engine_urls),
+            task,
+            tokenizer,
+            config,
+            _stop_ids(tokenizer, rollout),
+            Scoring(eval_reward(rollout, config), pool),
+            shared.http_timeout_s * 4,
+            min_version,
+            rollout.request_timeout_s,
+            samples=config.samples_per_prompt or rollout.group_size,
+        )
     metrics = result.as_metrics()
     client = connect(resolve_redis_url(shared))
     try:
@@ -240,6 +396,8 @@ async def evaluator_loop(
     versions = PolicyVersion(client, shared, broker)
     writer = MetricsWriter(client, shared, "eval")
     last = await last_evaluated_version(MetricsReader(client, shared))
+    pool = reward_pool(rollout)
+    scoring = Scoring(eval_reward(rollout, config), pool)
     try:
         while not stop.is_set():
             version = await versions.get()
@@ -247,8 +405,8 @@ async def evaluator_loop(
                 try:
                     result = await evaluate_through_engines(
                         list(rollout.engine_urls), task, tokenizer, config, _stop_ids(tokenizer, rollout),
-                        shared.http_timeout_s * 4, min_version=version,
-                        generate_timeout_s=rollout.request_timeout_s,
+                        scoring, shared.http_timeout_s * 4, min_version=version,
+                        generate_timeout_s=rollout.request_timeout_s, samples=config.live_samples_per_prompt,
                     )  # fmt: skip
                 except NoEngineAtVersion as exc:  # every engine behind (restarting, or out of the sync)
                     log.warning("eval of version %d postponed: %s", version, exc)
@@ -260,6 +418,7 @@ async def evaluator_loop(
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), config.poll_s)
     finally:
+        pool.close()
         await client.aclose()
 
 

@@ -23,6 +23,7 @@ commands:
   model init  build (or find cached) the warm-started tiny model: `streamrl model init --help`
   audit RUN_DIR  account for every prompt group of a run: generated, trained, dropped, lost
   inspect RUN_DIR  the run's trajectory archive: rewards by step, staleness, best / worst / random samples
+  eval --adversarial  score every built-in verifier's adversarial set (each case must score 0; exit 1 if not)
 
 `streamrl COMMAND --help` lists every config field the command reads, with its type, default and doc.
 Values come from the defaults, then REDIS_URL, then --config, then the dotted overrides. Every role starts here
@@ -219,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = args[0], args[1:]
     if name == "model":
         return _model_command(rest)
+    if name == "eval" and "--adversarial" in rest:  # a check of the verifiers: no config, no engines
+        from rollout_fleet.adversarial import main as adversarial_main
+
+        return adversarial_main([a for a in rest if a != "--adversarial"])
     if name == "audit":
         from streamrl.audit import main as audit_main
 

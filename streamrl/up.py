@@ -365,6 +365,8 @@ def is_of_version(result: dict[str, float]) -> bool | None:
 def write_summary(
     cfg: StreamRLConfig, summary: dict[str, Any], started: float, totals: dict[str, Any]
 ) -> None:
+    from rollout_fleet.evaluator import summary_fields as eval_summary_fields
+
     before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
     out = {
         "eval_reward_before": before.get("greedy_accuracy"),
@@ -376,6 +378,7 @@ def write_summary(
         # the final policy's version, and whether eval_*_after measured it (false: a warning was printed)
         "final_policy_version": after.get("version_asked"),
         "eval_after_is_final_policy": is_of_version(after),
+        **eval_summary_fields(cfg.rollout, cfg.eval, before, after),
         **totals,
         "wall_seconds": time.time() - started,
         "training_wall_seconds": summary.get("training_wall_seconds"),
@@ -398,6 +401,13 @@ def _audit_line(report: dict[str, Any] | None) -> str:
     return line if report["ok"] else line + "   NOT OK: streamrl audit RUN_DIR says which"
 
 
+def _eval_detail_line(s: dict[str, Any]) -> str:
+    """pass@k after training and the reward that scored the held-out answers."""
+    reward = s.get("eval_reward") or {}
+    passes = " ".join(f"@{k} {100 * v:.1f}%" for k, v in (s.get("eval_pass_at_k_after") or {}).items())
+    return f"  held-out pass@k after: {passes or 'n/a'}   scored with: {reward.get('scorer')} ({reward.get('source')})"
+
+
 def format_summary(s: dict[str, Any]) -> str:
     def pct(x: Any) -> str:
         return "n/a" if x is None else f"{100 * x:.1f}%"
@@ -411,6 +421,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  held-out accuracy (greedy): {pct(s['eval_reward_before'])} -> {pct(s['eval_reward_after'])}"
         + after_note,
         f"  held-out accuracy (sampled): {pct(s['eval_sampled_before'])} -> {pct(s['eval_sampled_after'])}",
+        _eval_detail_line(s),
         f"  steps: {s.get('steps')}   policy version: {s.get('policy_version')}",
         f"  samples trained: {s.get('samples_trained')}   dropped: {s.get('samples_dropped')} {dropped}",
         f"  output tokens per sample: {s.get('mean_output_tokens') or 0:.0f} mean, "

@@ -13,7 +13,14 @@ from broker.client import connect
 from broker.config import BrokerConfig, SharedConfig
 from broker.metrics import MetricsReader, MetricsWriter
 from broker.version import PolicyVersion
-from rollout_fleet.evaluator import EvalConfig, evaluator_loop, last_evaluated_version
+from rollout_fleet.evaluator import (
+    EvalConfig,
+    Scoring,
+    eval_reward,
+    evaluator_loop,
+    last_evaluated_version,
+    reward_pool,
+)
 from rollout_fleet.model import init_tiny_model
 from streamrl.config import StreamRLConfig
 from streamrl.up import child_specs
@@ -101,16 +108,17 @@ async def test_only_engines_serving_the_version_are_evaluated(model_dir: Path) -
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         task = build_task(rollout.task, tokenizer)
         before = [s.engine.stats()["finished_requests"] for s in (stale, current)]
-        result = await evaluate_through_engines(
-            [stale.url, current.url], task, tokenizer, EVAL, (), 30.0, min_version=3
-        )
-        after = [s.engine.stats()["finished_requests"] for s in (stale, current)]
-        assert (result.version, result.max_version, result.engines) == (3, 3, 1)
-        assert after[0] == before[0] and after[1] == before[1] + 2 * EVAL.heldout_prompts
-        with pytest.raises(NoEngineAtVersion, match="version 4"):
-            await evaluate_through_engines(
-                [stale.url, current.url], task, tokenizer, EVAL, (), 30.0, min_version=4
+        async with reward_pool(rollout) as pool:
+            scoring = Scoring(eval_reward(rollout, EVAL), pool)
+            urls = [stale.url, current.url]
+            result = await evaluate_through_engines(
+                urls, task, tokenizer, EVAL, (), scoring, 30.0, min_version=3
             )
+            after = [s.engine.stats()["finished_requests"] for s in (stale, current)]
+            assert (result.version, result.max_version, result.engines) == (3, 3, 1)
+            assert after[0] == before[0] and after[1] == before[1] + 2 * EVAL.heldout_prompts
+            with pytest.raises(NoEngineAtVersion, match="version 4"):
+                await evaluate_through_engines(urls, task, tokenizer, EVAL, (), scoring, 30.0, min_version=4)
 
 
 async def test_a_generation_may_outlast_the_control_timeout(model_dir: Path) -> None:
@@ -136,9 +144,11 @@ async def test_a_generation_may_outlast_the_control_timeout(model_dir: Path) -> 
                 await http.post(srv.url + "/continue_generation", json={})
 
             resumer = asyncio.create_task(resume_later())
-            result = await evaluate_through_engines(
-                [srv.url], task, tokenizer, EVAL, (), 1.0, generate_timeout_s=60.0
-            )
+            async with reward_pool(rollout) as pool:
+                scoring = Scoring(eval_reward(rollout, EVAL), pool)
+                result = await evaluate_through_engines(
+                    [srv.url], task, tokenizer, EVAL, (), scoring, 1.0, generate_timeout_s=60.0
+                )
             await resumer
     assert result.engines == 1 and srv.engine.stats()["finished_requests"] >= 2 * EVAL.heldout_prompts
 
@@ -168,3 +178,64 @@ def test_a_final_evaluation_of_another_version_is_flagged_in_the_summary(
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["eval_after_is_final_policy"] is False and summary["final_policy_version"] == 5
     assert "NOT the final policy 5" in format_summary(summary)
+
+
+USER_REWARD = '''
+import multiprocessing
+
+
+def reward(prompt, completion):
+    """A new user's lenient reward: the answer anywhere in the completion, else a little credit for trying."""
+    hit = prompt.answer in completion
+    in_pool = float(multiprocessing.current_process().name == "streamrl-reward")
+    return {"reward": 1.0 if hit else 0.25, "hit": float(hit), "in_pool": in_pool}
+'''
+
+
+def test_held_out_scoring_uses_the_custom_training_reward(
+    model_dir: Path, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a new user hit it: JSONL rows of {"prompt", "answer"}, the dataset task, a ten-line reward function as
+    rollout.reward.function. The held-out evaluation scores with that function, in the reward pool's processes
+    (not with the task's exact-match verifier, which gives the random tiny model 0), with its components, and
+    says so in the eval metrics and summary.json; eval.reward = task goes back to the verifier, and says so."""
+    from streamrl.up import evaluate_now, write_summary
+
+    (tmp_path / "user_reward.py").write_text(USER_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned reward workers start with this sys.path
+    rows = [{"prompt": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(12)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:8]) + "\n")
+    (tmp_path / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows[8:]) + "\n")
+    with serving(model_dir) as engine:
+
+        def evaluate(reward: str) -> dict[str, float]:
+            cfg = StreamRLConfig.model_validate(
+                {
+                    "shared": {"redis_url": redis_url, "run_dir": str(tmp_path), "model_path": str(model_dir)},
+                    "rollout": {
+                        "engine_urls": [engine.url],
+                        "group_size": 4,
+                        "task": {"name": "dataset", "dataset": str(tmp_path / "train.jsonl"),
+                                 "test_dataset": str(tmp_path / "test.jsonl")},
+                        "reward": {"function": "user_reward:reward", "start_method": "spawn", "workers": 1},
+                    },
+                    "eval": {"heldout_prompts": 4, "max_new_tokens": 8, "reward": reward},
+                }
+            )  # fmt: skip
+            return cfg, evaluate_now(cfg, "after", 0)
+
+        cfg, trained = evaluate("training")
+        _, verifier = evaluate("task")
+    # every answer got at least 0.25 from the user's function (no `correct` component: solved = reward > 0)
+    assert trained["greedy_accuracy"] == trained["sampled_accuracy"] == trained["pass@4"] == 1.0
+    assert trained["greedy_reward"] >= 0.25 and trained["greedy_component/in_pool"] == 1.0
+    assert trained["reward_source/training"] == 1.0 and trained["samples_per_prompt"] == 4
+    assert trained["reward_errors"] == 0 and set(trained) >= {"pass@1", "pass@2", "pass@4"}
+    # the task's exact-match verifier: the random model never says exactly "16"
+    assert verifier["greedy_accuracy"] == 0.0 and verifier["reward_source/task"] == 1.0
+    assert "greedy_component/correct" in verifier and "greedy_component/in_pool" not in verifier
+    write_summary(cfg, {"eval_before": verifier, "eval_after": trained}, 0.0, {})
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["eval_reward"] == {"source": "training", "scorer": "user_reward:reward"}
+    assert summary["eval_pass_at_k_after"] == {"1": 1.0, "2": 1.0, "4": 1.0}
+    assert summary["eval_buckets_after"] == {}  # the dataset task has no difficulty buckets

@@ -175,5 +175,9 @@ class ArithmeticTask(Task):
         """The target the supervised warm-start trains on (without the EOS token)."""
         return scratchpad(int(prompt.metadata["a"]), int(prompt.metadata["b"]))
 
+    def difficulty(self, prompt: Prompt) -> str | None:
+        """The digit count of the larger operand: what the warm model's accuracy falls with."""
+        return f"digits={prompt.metadata['digits']}" if "digits" in prompt.metadata else None
+
     def score(self, prompt: Prompt, completion: str) -> RewardResult:
         return score_completion(prompt.answer, completion, self.format_weight)

@@ -80,6 +80,11 @@ class Task(ABC):
     def score(self, prompt: Prompt, completion: str) -> RewardResult:
         """Score the completion text (without the prompt); never raises on bad model output."""
 
+    def difficulty(self, prompt: Prompt) -> str | None:
+        """The difficulty bucket of a prompt (``"digits=3"``), for held-out accuracy per bucket; None: this task
+        has no notion of difficulty, and its evaluations report no buckets."""
+        return None
+
     def prompts(self, split: str = TRAIN) -> Iterator[Prompt]:
         """Every prompt of one epoch of ``split``, in index order."""
         for index in range(self.num_prompts(split)):

@@ -1,7 +1,8 @@
 """Countdown: reach a target with the given numbers using + - * / and parentheses, each number at most once.
 
 The completion's final equation goes in ``<answer> ... </answer>`` tags (the last pair counts); without tags the
-last non-empty line is tried. An ``= value`` suffix is ignored. The expression is parsed by a small recursive
+last non-empty line is tried. An ``= value`` suffix must be the target itself (``(7 - 3) * 5 = 20``), so a
+second equation or a wrong claim after the ``=`` makes the answer wrong. The expression is parsed by a small recursive
 descent parser over exact fractions (never ``eval``): only non-negative integer literals, binary + - * /, and
 parentheses. Division by zero, an unknown character, a number not on offer, or a number used more often than
 offered makes the answer wrong. format = 1 when answer tags hold a parsable expression.
@@ -33,7 +34,8 @@ from rollout_fleet.tasks.base import (
 )
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-TOKEN_RE = re.compile(r"\s*(?:(\d+)|([-+*/()]))")
+TOKEN_RE = re.compile(r"\s*(?:(\d+)|([-+*/()]))", re.ASCII)  # int() also reads Unicode digits: refuse them
+CLAIM_RE = re.compile(r"\s*(-?\d+)\s*", re.ASCII)
 MAX_EXPRESSION_CHARS = 300
 MAX_DEPTH = 64
 MAX_ATTEMPTS = 1000
@@ -123,6 +125,21 @@ def evaluate(expression: str) -> tuple[Fraction, list[int]]:
 
 def extract_expression(completion: str) -> tuple[str | None, bool]:
     """(expression text, whether it came from answer tags). An ``= value`` suffix is dropped."""
+    candidate, from_tags = _candidate(completion)
+    return (None if candidate is None else candidate.split("=", 1)[0].strip()), from_tags
+
+
+def claims_target(completion: str, target: int) -> bool:
+    """Whether the answer's ``= value`` suffix, when it has one, is exactly the target (a lone number)."""
+    candidate, _ = _candidate(completion)
+    if candidate is None or "=" not in candidate:
+        return True
+    claim = CLAIM_RE.fullmatch(candidate.split("=", 1)[1])
+    return claim is not None and claim.group(1) == str(target)  # as text: int() refuses > 4,300 digits
+
+
+def _candidate(completion: str) -> tuple[str | None, bool]:
+    """The last tagged answer (or, without tags, the last non-empty line) and whether it was tagged."""
     text = strip_special(completion)
     tagged = ANSWER_RE.findall(text)
     if tagged:
@@ -132,7 +149,7 @@ def extract_expression(completion: str) -> tuple[str | None, bool]:
         if not lines:
             return None, False
         candidate, from_tags = lines[-1], False
-    return candidate.split("=", 1)[0].strip(), from_tags
+    return candidate, from_tags
 
 
 def check_answer(
@@ -159,7 +176,7 @@ def score_completion(
     nums: list[int], target: int, completion: str, use_all: bool = False, format_weight: float = 0.0
 ) -> RewardResult:
     expression, from_tags = extract_expression(completion)
-    correct, _ = check_answer(expression, nums, target, use_all)
+    correct = check_answer(expression, nums, target, use_all)[0] and claims_target(completion, target)
     parsable = False
     if from_tags and expression is not None:
         try:
@@ -306,6 +323,10 @@ class CountdownTask(Task):
             index=index,
             metadata={"nums": list(nums), "target": target},
         )
+
+    def difficulty(self, prompt: Prompt) -> str | None:
+        """How many numbers are on offer (3 or 4 when generated): the search space grows with them."""
+        return f"numbers={len(prompt.metadata['nums'])}" if "nums" in prompt.metadata else None
 
     def score(self, prompt: Prompt, completion: str) -> RewardResult:
         nums = [int(n) for n in prompt.metadata["nums"]]

@@ -16,8 +16,11 @@ from fractions import Fraction
 from rollout_fleet.tasks.base import RewardResult, strip_special, weighted_reward
 from rollout_fleet.tasks.dataset import DatasetTask
 
-NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?")
-CLEAN_RE = re.compile(r"^-?\d+(?:\.\d+)?(?:/\d+)?$")
+# ASCII digits only: int() and Fraction() also read Unicode digits (fullwidth, Arabic-Indic), a way around a
+# "the answer must be a plain number" rule that rollout_fleet/adversarial.py checks
+NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?", re.ASCII)
+CLEAN_RE = re.compile(r"^-?\d+(?:\.\d+)?(?:/\d+)?$", re.ASCII)
+THOUSANDS_SPACE_RE = re.compile(r"(?<=\d) (?=\d{3}(?!\d))", re.ASCII)  # "1 000": a separator, "7 2" is not
 FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 TEXT_RE = re.compile(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}")
 
@@ -41,9 +44,11 @@ def extract_answer(completion: str) -> tuple[str | None, str]:
     """(answer text, how it was found: ``boxed``, ``hash``, ``last_number`` or ``none``)."""
     text = strip_special(completion)
     boxed = last_boxed(text)
-    if boxed is not None:
+    # the later of the two markers is the final answer: an earlier \boxed{} is scratchpad, not the answer
+    boxed_at, hash_at = max(text.rfind("\\boxed{"), text.rfind("\\fbox{")), text.rfind("####")
+    if boxed is not None and boxed_at > hash_at:
         return boxed.strip(), "boxed"
-    if "####" in text:
+    if hash_at >= 0:
         tail = text.rsplit("####", 1)[1].strip()
         return (tail.splitlines()[0].strip() if tail else ""), "hash"
     numbers = NUMBER_RE.findall(text)
@@ -53,15 +58,17 @@ def extract_answer(completion: str) -> tuple[str | None, str]:
 
 
 def parse_number(text: str) -> Fraction | None:
-    """A number from an answer string, exactly, or None; no scientific notation (it could be made huge)."""
+    """A number from an answer string, exactly, or None; no scientific notation (it could be made huge). An
+    answer holding several numbers ("72 or 73", "7 2", "72e0") is None: which one is meant is not known."""
     s = TEXT_RE.sub(r"\1", text.strip())
     s = FRAC_RE.sub(r"(\1)/(\2)", s)
-    for junk in ("\\$", "$", "\\%", "%", "\\!", "\\,", ",", " ", "(", ")", "{", "}"):
+    s = THOUSANDS_SPACE_RE.sub("", s)
+    for junk in ("\\$", "$", "\\%", "%", "\\!", "\\,", ",", "(", ")", "{", "}"):
         s = s.replace(junk, "")
-    s = s.rstrip(".")
+    s = s.strip().rstrip(".")
     if not CLEAN_RE.fullmatch(s):
-        found = NUMBER_RE.findall(text)  # e.g. "72 dollars": take the first number
-        if not found or found[0] == text.strip():
+        found = NUMBER_RE.findall(text)  # e.g. "72 dollars": its one number
+        if len(found) != 1 or found[0] == text.strip():
             return None
         return parse_number(found[0])
     try:

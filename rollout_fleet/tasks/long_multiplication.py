@@ -263,9 +263,25 @@ class LongMultiplicationTask(Task):
         """The target the supervised warm-start trains on (without the EOS token)."""
         return scratchpad(int(prompt.metadata["a"]), int(prompt.metadata["b"]))
 
+    def difficulty(self, prompt: Prompt) -> str | None:
+        """The digits of the larger factor, in bins (the scratchpad grows as len(a) * len(b); 27 single-digit
+        buckets would hold a handful of held-out problems each)."""
+        if "digits" not in prompt.metadata:
+            return None
+        return difficulty_bin(max(int(d) for d in prompt.metadata["digits"]))
+
     def score(self, prompt: Prompt, completion: str) -> RewardResult:
         a, b = int(prompt.metadata["a"]), int(prompt.metadata["b"])
         return score_completion(a, b, completion, self.format_weight, self.step_weight)
+
+
+DIFFICULTY_BINS = ((1, 3), (4, 6), (7, 12), (13, 20), (21, MAX_DIGITS_LIMIT))
+
+
+def difficulty_bin(digits: int) -> str:
+    """``"digits=4-6"``: the bin of DIFFICULTY_BINS holding a factor of ``digits`` digits."""
+    low, high = next((lo, hi) for lo, hi in DIFFICULTY_BINS if lo <= digits <= hi)
+    return f"digits={low}-{high}"
 
 
 def _number(rng: random.Random, digits: int) -> int:
