@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -213,12 +214,38 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
     first = trained_group_ids(run_dir)
     assert len(first) == len(set(first)) == STEPS * 16
 
+    # what produced the run, completed at its end
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert (manifest["exit_status"], manifest["final_step"], manifest["resumes"]) == (0, STEPS, [])
+    assert manifest["redis"]["redis_version"] and manifest["task"]["version"] and manifest["reward"]["sha256"]
+    # a resume with another model (its tokenizer file differs by a newline) is refused before anything starts,
+    # naming the old and new hash; told to go on, the resume below runs on it
+    changed_model = tmp_path / "changed-model"
+    shutil.copytree(warm_model, changed_model)
+    with open(changed_model / "tokenizer_config.json", "a") as fh:
+        fh.write("\n")
+    resume = [sys.executable, "-m", "streamrl", "up", "--resume", str(run_dir),
+              f"--shared.model_path={changed_model}"]  # fmt: skip
+    refused = subprocess.run(resume, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stderr
+    old_hash = manifest["model"]["tokenizer_sha256"]
+    assert (
+        f"model tokenizer sha256: {old_hash} -> " in refused.stderr
+        and "tokenizer_config.json" in refused.stderr
+    )
+    assert json.loads((run_dir / "manifest.json").read_text()) == manifest
+
     # resume the stopped run: it continues from its checkpoint and stream, no group is trained twice
-    args = [sys.executable, "-m", "streamrl", "up", "--resume", str(run_dir), f"--learner.max_steps={STEPS + 10}",
-            f"--dashboard.metrics_base_port={metrics_base_port()}"]  # fmt: skip
+    args = [*resume, f"--learner.max_steps={STEPS + 10}", f"--dashboard.metrics_base_port={metrics_base_port()}",
+            "--up.allow_changed_run=true"]  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
+    resumed_manifest = json.loads((run_dir / "manifest.json").read_text())
+    [entry] = resumed_manifest.pop("resumes")
+    assert resumed_manifest == {k: v for k, v in manifest.items() if k != "resumes"}  # the original stays
+    assert [c["what"] for c in entry["changed"]] == ["model tokenizer sha256"] and entry["changes_allowed"]
+    assert (entry["exit_status"], entry["final_step"]) == (0, STEPS + 10)
     resumed = json.loads((run_dir / "summary.json").read_text())
     assert resumed["steps"] == STEPS + 10
     ids = trained_group_ids(run_dir)
