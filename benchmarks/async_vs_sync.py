@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         results={"etas": runs},
         targets={"speedup_over_ideal": (">=", 0.8), "reward_margin_over_noise": (">=", 0.0)},
         headline=headline,
+        model=model,
     )
     plot(args.out.with_suffix(".svg"), runs)
     print(f"speedup at eta=2: {speedup_2:.2f} (ideal {ideal:.2f}); passed: {doc['passed']}")

@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = write_result(
         args.out, "crash_cost", "quick" if args.quick else "full",
         {"steps": STEPS, "kill_at": KILL_AT, "targets": list(targets)}, {"runs": results}, targets_, headline,
+        model=model,
     )  # fmt: skip
     print(json.dumps({k: doc[k] for k in (*headline, "passed")}, indent=2))
     return 0 if doc["passed"] else 1

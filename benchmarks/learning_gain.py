@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     write_result(
         args.out, "learning_gain", args.broken or "correct",
         {"runs": args.runs, "steps": STEPS, "run_args": RUN_ARGS + extra}, {"runs": runs}, {}, headline,
+        model=model,
     )  # fmt: skip
     print(json.dumps(headline, indent=2))
     return 0

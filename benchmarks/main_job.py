@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             "heldout_greedy_se": cell["se"],
             "training_wall_seconds": wall,
         },  # fmt: skip
+        model=model,
     )
     print(f"held-out greedy {cell['mean']:.3f} +- {cell['se']:.3f} in {wall:.0f} s; passed: {doc['passed']}")
     return 0

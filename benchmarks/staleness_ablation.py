@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         results={"table": table},
         targets=targets,
         headline=head,
+        model=model,
     )
     plot(args.out.with_suffix(".svg"), table)
     for corr in corrections:
