@@ -305,6 +305,8 @@ class Archiver:
         await self._collect_outcomes()
         if self._part_due():
             await self.flush()
+        else:
+            await self._status(error="")  # the dashboard shows how many groups wait for their outcome
 
     async def _take(self, d: Delivery) -> None:
         gid = d.group.group_id

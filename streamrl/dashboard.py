@@ -20,6 +20,8 @@ JSON API (GET only; non-finite numbers are sent as null, since JSON has none):
 - ``/api/series?role=R&since=ID&limit=N``: points of role R newer than entry id ID (exclusive), oldest first,
   at most N (``more`` says whether more wait); without ``since``, the newest N. Each point is
   ``{"id", "values"}`` with the values exactly as the writer stored them;
+- ``/api/samples?limit=N``: the latest trajectories the archiver read (broker.archive: prompt, each completion
+  token's text and policy version, reward and components), newest first, with the archiver's status;
 - ``/metrics``: the same numbers in Prometheus' text format (role ``dashboard``).
 """
 
@@ -43,7 +45,8 @@ import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from broker.client import connect
+from broker.archive import read_recent, read_status
+from broker.client import BrokerKeys, connect
 from broker.config import BrokerConfig, SharedConfig
 from broker.discovery import RedisNotFound, resolve_redis_url
 from broker.metrics import BrokerMetrics, MetricsReader, metrics_key, parse_number
@@ -312,6 +315,16 @@ class DashboardState:
             "settings": {"refresh_s": self.config.refresh_s, "history_points": self.config.history_points},
         }
 
+    async def samples(self, limit: int) -> dict[str, Any]:
+        """The live sample viewer's data: the archiver's latest samples and its status."""
+        keys = BrokerKeys.of(self.shared, self.broker_config)
+        return {
+            "samples": await read_recent(self.client, keys, limit),
+            "archive": await read_status(self.client, keys),
+            "policy_version": await self.version.get(),
+            "eta": self.shared.eta,
+        }
+
     async def series(self, role: str, since: str | None, limit: int) -> dict[str, Any]:
         if role == BROKER_ROLE:
             return self._broker_series(since, limit)
@@ -416,6 +429,25 @@ async def api_series(request: web.Request) -> web.Response:
     return await _guarded(request, make)
 
 
+MAX_SAMPLES = 100
+
+
+def parse_samples_query(query: Mapping[str, str]) -> int:
+    """``limit`` of ``/api/samples`` (default 12, at most MAX_SAMPLES); raises BadRequest naming the field."""
+    raw = query.get("limit", "12")
+    try:
+        limit = int(raw)
+    except ValueError:
+        raise BadRequest(f"limit = {raw!r}: not an integer") from None
+    if not 1 <= limit <= MAX_SAMPLES:
+        raise BadRequest(f"limit = {limit}: must be between 1 and {MAX_SAMPLES}")
+    return limit
+
+
+async def api_samples(request: web.Request) -> web.Response:
+    return await _guarded(request, lambda s: s.samples(parse_samples_query(request.query)))
+
+
 async def index(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC_DIR / "dashboard.html", headers={"Cache-Control": "no-store"})
 
@@ -427,6 +459,7 @@ def make_app(state: DashboardState) -> web.Application:
     app.router.add_get("/", index)
     app.router.add_get("/api/summary", api_summary)
     app.router.add_get("/api/series", api_series)
+    app.router.add_get("/api/samples", api_samples)
     app.router.add_get(
         "/metrics", metrics_route("dashboard", state.prometheus_values, {"run": state.shared.run_id})
     )

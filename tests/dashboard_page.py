@@ -39,6 +39,13 @@ return {
   engines: attrs('#engines tbody tr', tr => [tr.dataset.engine || null, ...[...tr.cells].map(c => c.textContent)]),
   pills: attrs('#roles .pill', p => p.dataset.role || null),
   outcomes: Object.fromEntries(attrs('#outcomes tr[data-key]', tr => [tr.dataset.key, tr.cells[2].textContent])),
+  samples: attrs('#samples .sample', d => ({
+    group: d.dataset.group, index: Number(d.dataset.index), reward: Number(d.dataset.reward),
+    meta: d.querySelector('.meta').textContent, prompt: d.querySelector('.prompt').textContent,
+    tokens: [...d.querySelectorAll('.text .tok')].map(t => [t.textContent, Number(t.dataset.version),
+      Number(t.dataset.lag), getComputedStyle(t).backgroundColor]),
+  })),
+  archive: document.getElementById('archive-status').textContent,
 };
 """
 

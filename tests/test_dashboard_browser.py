@@ -302,3 +302,51 @@ async def test_page_follows_a_real_learner_run(
             proc.communicate()
         await running.stop()
         await client.aclose()
+
+
+async def test_sample_viewer_colours_each_token_by_its_policy_version(
+    browser, model_dir: Path, redis_url: str, tmp_path: Path
+) -> None:
+    """The archiver's feed of a real stream, shown token by token: text from the model's tokenizer, each token
+    coloured by how far its version is behind the published policy."""
+    from broker.archive import Archiver, TokenText
+    from broker.config import ArchiveConfig
+    from broker.record import Sample, TrajectoryGroup
+
+    shared = SharedConfig(run_id="viewer", eta=4, model_path=model_dir)
+    client = connect(redis_url, BROKER)
+    archiver = Archiver(
+        client, shared, BROKER, ArchiveConfig(dir=tmp_path / "archive", poll_s=0.05, recent=8)
+    )
+    await archiver.start()
+    ids = [5, 77, 6, 77, 5, 85, 12, 40]
+    versions = [3, 3, 4, 4, 5, 5, 5, 5]  # a sample whose generation spanned three weight updates
+    sample = Sample(sample_index=0, output_ids=ids, logprobs=[-0.5] * 8, versions=versions, loss_mask=[1] * 8,
+                    finish_reason="stop", truncated=False, reward=1.0, reward_components={"correct": 1.0, "format": 1.0})  # fmt: skip
+    group = TrajectoryGroup(run_id="viewer", epoch=0, prompt_index=3, attempt=0, prompt_id="p3", task="arithmetic",
+                            prompt_ids=[5, 77, 6], samples=[sample])  # fmt: skip
+    await Producer(client, shared, BROKER, "w0").send(group)
+    await PolicyVersion(client, shared, BROKER).publish(6)
+    for _ in range(20):
+        await archiver.step()
+        if archiver.waiting:
+            break
+    running = await start_dashboard(client, shared, DASH, BROKER, port=0)
+    try:
+        await asyncio.to_thread(browser.get, running.url)
+        state = await asyncio.to_thread(wait_for, browser, lambda s: s["samples"], "the latest trajectory")
+        (shown,) = state["samples"]
+        text = TokenText(model_dir)
+        assert shown["group"] == group.group_id and shown["reward"] == 1.0
+        assert "correct 1" in shown["meta"] and "format 1" in shown["meta"]
+        assert shown["prompt"] == text.text([5, 77, 6])
+        assert [t[0] for t in shown["tokens"]] == text.pieces(ids)
+        assert [t[1] for t in shown["tokens"]] == versions
+        assert [t[2] for t in shown["tokens"]] == [3, 3, 2, 2, 1, 1, 1, 1]  # 6 - version
+        colours = {t[2]: t[3] for t in shown["tokens"]}
+        assert len(set(colours.values())) == 3  # one colour per lag
+        assert "1 groups awaiting an outcome" in state["archive"]
+        await asyncio.to_thread(screenshot, browser, "dashboard-samples.png")
+    finally:
+        await running.stop()
+        await client.aclose()

@@ -7,6 +7,7 @@ const S = {
   historyPoints: 2000,
   summary: null,
   series: {},      // role -> {lastId, points: [{id, values}]}
+  samples: null,   // the last /api/samples answer
   timer: null,
 };
 
@@ -362,12 +363,62 @@ function renderOutcomes() {
   document.querySelector("#outcomes tbody").innerHTML = rows.join("") || `<tr><td>nothing counted yet</td></tr>`;
 }
 
+// The latest evaluation's pass@k (pass@1, pass@8, ...) and accuracy per difficulty bucket (bucket/greedy/<b>,
+// bucket/sampled/<b>, bucket/n/<b>), and which reward scored it (reward_source/<training|task|function>).
+function renderEvalDetail() {
+  const l = latest("eval") || {};
+  const num = (k) => Number((k.match(/\d+/) || [Infinity])[0]);
+  const passes = Object.keys(l).filter((k) => /^pass@\d+$/.test(k)).sort((a, b) => num(a) - num(b));
+  document.querySelector("#eval-passk tbody").innerHTML = passes.map((k) =>
+    `<tr data-key="${esc(k)}"><th>${esc(k)}</th><td class="num">${esc(fmt(l[k]))}</td></tr>`).join("")
+    || `<tr><td colspan="2">no sampled evaluation yet</td></tr>`;
+  const buckets = Object.keys(l).filter((k) => k.startsWith("bucket/n/")).map((k) => k.slice(9))
+    .sort((a, b) => a.split("=")[0].localeCompare(b.split("=")[0]) || num(a) - num(b));
+  document.querySelector("#eval-buckets tbody").innerHTML = buckets.map((b) =>
+    `<tr data-bucket="${esc(b)}"><th>${esc(b)}</th><td class="num">${esc(fmt(l[`bucket/greedy/${b}`]))}</td>` +
+    `<td class="num">${esc(fmt(l[`bucket/sampled/${b}`]))}</td><td class="num">${esc(fmt(l[`bucket/n/${b}`]))}</td></tr>`).join("")
+    || `<tr><td colspan="4">no difficulty buckets (none yet, or the task has none)</td></tr>`;
+  const source = Object.keys(l).find((k) => k.startsWith("reward_source/"));
+  document.getElementById("eval-reward").textContent = source ? `(scored with the ${source.slice(14)} reward)` : "";
+}
+
 function renderLatest() {
   const blocks = Object.entries(S.summary.roles).map(([role, r]) => {
     const rows = Object.keys(r.values).sort().map((k) => `<tr data-role="${esc(role)}" data-key="${esc(k)}"><td>${esc(k)}</td><td class="num">${esc(fmt(r.values[k]))}</td></tr>`);
     return `<div><h3>${esc(role)} <small>(${esc(r.id)})</small></h3><table>${rows.join("")}</table></div>`;
   });
   document.getElementById("latest").innerHTML = blocks.join("") || "no role has written metrics yet";
+}
+
+// ---- live sample viewer (GET /api/samples: the archiver's latest samples) --------------------------------
+
+async function pollSamples() {
+  try {
+    S.samples = await getJSON("/api/samples?limit=12");
+  } catch (err) {
+    S.samples = { error: err.message, samples: [] };
+  }
+}
+
+function renderSamples() {
+  const data = S.samples || { samples: [] };
+  const a = data.archive || {};
+  document.getElementById("archive-status").textContent = data.error ? `(API error: ${data.error})`
+    : a.rows !== undefined ? `(archive: ${a.rows} rows in ${a.parts} parts, ${a.waiting} groups awaiting an outcome${a.error ? "; error: " + a.error : ""})`
+    : "(no archiver has run)";
+  const current = data.policy_version ?? 0;
+  const blocks = data.samples.map((x) => {
+    const toks = x.tokens.map((t, i) => {
+      const v = x.versions[i];
+      const lag = Math.max(0, current - v);
+      return `<span class="tok" data-version="${v}" data-lag="${Math.min(lag, 4)}" title="version ${v} (${lag} behind)">${esc(t)}</span>`;
+    }).join("");
+    const comps = Object.entries(x.components || {}).map(([k, v]) => `${esc(k)} ${esc(fmt(v))}`).join(", ");
+    return `<div class="sample" data-group="${esc(x.group_id)}" data-index="${x.sample_index}" data-reward="${x.reward}">
+      <div class="meta"><b>${esc(x.group_id)} #${x.sample_index}</b> · reward <b>${esc(fmt(x.reward))}</b> (${comps}) · ${esc(x.finish_reason)}${x.reward_status !== "ok" ? " · reward " + esc(x.reward_status) : ""}</div>
+      <div class="text"><span class="prompt">${esc(x.prompt)}</span>${toks}</div></div>`;
+  });
+  document.getElementById("samples").innerHTML = blocks.join("") || "no trajectory archived yet";
 }
 
 function setStatus(state, text) {
@@ -382,7 +433,9 @@ function render() {
   renderCharts();
   renderEngines();
   renderOutcomes();
+  renderEvalDetail();
   renderLatest();
+  renderSamples();
 }
 
 async function tick() {
@@ -391,7 +444,7 @@ async function tick() {
     S.summary = sum;
     S.refreshMs = Math.round(sum.settings.refresh_s * 1000);
     S.historyPoints = sum.settings.history_points;
-    await Promise.all([...Object.keys(sum.roles), "broker"].map(pollSeries));
+    await Promise.all([...Object.keys(sum.roles), "broker"].map(pollSeries).concat([pollSamples()]));
     render();
     setStatus("ok", `live · updated ${clock(sum.ts)}`);
     document.body.dataset.ready = "1";
