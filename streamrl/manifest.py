@@ -299,7 +299,13 @@ def dataset_files(options: Mapping[str, Any]) -> dict[str, Any]:
     ``test_dataset``, or any file-backed task's), with its SHA-256."""
     out: dict[str, Any] = {}
     for key, value in sorted(options.items()):
-        if isinstance(value, str | Path) and str(value) and Path(value).exists():
+        if not isinstance(value, str | Path) or not str(value):
+            continue
+        try:
+            exists = Path(value).exists()
+        except (OSError, ValueError):  # a system prompt is no file name (too long, a NUL byte)
+            exists = False
+        if exists:
             out[key] = sha256_tree(Path(value).resolve())
     return out
 

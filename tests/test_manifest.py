@@ -142,6 +142,9 @@ def test_run_record_of_a_dataset_run(tmp_path: Path) -> None:
                     f"--rollout.task.dataset={data}")  # fmt: skip
     record = m.run_record(cfg, argv=["streamrl", "up"])
     assert record["datasets"] == {"dataset": {"path": str(data), "sha256": m.sha256_file(data), "bytes": 34}}
+    assert m.dataset_files({"system_prompt": "x" * 5000, "instruction": "a\x00b", "dataset": str(data)}) == {
+        "dataset": record["datasets"]["dataset"]
+    }  # options that are text, not files, are left out
     assert record["task"]["name"] == "dataset" and record["task"]["version"] == "1"
     assert record["reward"]["import_path"] == "rollout_fleet.tasks.dataset:DatasetTask.score"
     assert record["model"]["weights_sha256"] and record["config_sha256"] == m.config_sha256(cfg)
