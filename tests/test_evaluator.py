@@ -178,6 +178,14 @@ def test_a_final_evaluation_of_another_version_is_flagged_in_the_summary(
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["eval_after_is_final_policy"] is False and summary["final_policy_version"] == 5
     assert "NOT the final policy 5" in format_summary(summary)
+    # pass@k over rollout.group_size (8) samples per prompt, and the arithmetic task's digit buckets
+    assert list(summary["eval_pass_at_k_after"]) == ["1", "2", "4", "8"] and stale["samples_per_prompt"] == 8
+    passes = list(summary["eval_pass_at_k_after"].values())
+    assert passes == sorted(passes) and passes[0] == pytest.approx(stale["sampled_accuracy"])  # pass@1: c / n
+    buckets = summary["eval_buckets_after"]
+    assert buckets and all(b.startswith("digits=") for b in buckets)
+    assert sum(b["n"] for b in buckets.values()) == 4 and "pass@k after: @1" in format_summary(summary)
+    assert summary["eval_reward"] == {"source": "training", "scorer": "arithmetic"}
 
 
 USER_REWARD = '''
