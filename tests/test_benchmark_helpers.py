@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -303,3 +304,38 @@ def test_staleness_ablation_command_lines_are_valid_configs(tmp_path: Path, monk
     for cfg in configs.values():
         assert (cfg.shared.eta, cfg.learner.max_steps, cfg.learner.ppo_minibatches) == (8, 5, 2)
         assert cfg.eval.heldout_prompts == 1000 and cfg.rollout.task.heldout_size == 1000
+
+
+def test_archive_overhead_runs_differ_only_in_the_archive_and_count_rows(tmp_path: Path, monkeypatch) -> None:
+    from benchmarks import archive_overhead
+    from broker.archive import rejected_row, write_rows
+    from broker.consumer import Rejected
+
+    seen = []
+    summary = {
+        "learner_train_seconds": 6.0,
+        "learner_wait_seconds": 3.0,
+        "steps": 3,
+        "audit": {"produced": 1},
+    }
+
+    def fake_run(args, **kw):  # noqa: ANN001, ANN202
+        seen.append(args)
+        run_dir = Path(next(a for a in args if a.startswith("--shared.run_dir=")).split("=", 1)[1])
+        (run_dir / "archive").mkdir(parents=True)
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+        rows = [rejected_row(Rejected(f"{i}-0", f"g{i}", "decode", "x"), "r", 0.0) for i in range(8)]
+        write_rows(run_dir / "archive" / "part-000000.parquet", rows)
+        return _Done()
+
+    monkeypatch.setattr(async_vs_sync.subprocess, "run", fake_run)
+    on = archive_overhead.one(tmp_path / "on", 3, tmp_path / "model", archive=True)
+    off = archive_overhead.one(tmp_path / "off", 3, tmp_path / "model", archive=False)
+    assert on["learner_step_seconds"] == 2.0 and on["step_wall_seconds"] == 3.0
+    assert on["archive_rows"] == on["samples_generated"] == 8 and on["rows_equal_generated"] is True
+    assert "archive_rows" not in off
+    configs = [load_config(StreamRLConfig, argv[4:]) for argv in seen]
+    assert [c.archive.enabled for c in configs] == [True, False]
+    assert configs[0].model_dump(exclude={"archive", "shared"}) == configs[1].model_dump(
+        exclude={"archive", "shared"}
+    )
