@@ -208,7 +208,7 @@ class CountdownTask(Task):
     """Countdown with 3 or 4 numbers in 1..max_number; targets in 1..max_target, reachable by construction."""
 
     name = "countdown"
-    version = "1"
+    version = "2"  # 2: the adversarial sets' holes closed (rollout_fleet/adversarial.py)
 
     def __init__(
         self,

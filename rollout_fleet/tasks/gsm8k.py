@@ -107,7 +107,7 @@ class GSM8KTask(DatasetTask):
     """GSM8K-shaped data (``question`` / ``answer`` with ``#### x``) or any math set with numeric answers."""
 
     name = "gsm8k"
-    version = "1"
+    version = "2"  # 2: the adversarial sets' holes closed (rollout_fleet/adversarial.py)
     default_prompt_field = "question"
     default_answer_field = "answer"
     default_instruction = 'Think step by step, then give the final answer after "####".'
