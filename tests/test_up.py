@@ -51,7 +51,9 @@ def warm_model() -> Path:
 def up(run_dir: Path, model: Path, metrics_base: int, *extra: str) -> subprocess.Popen:
     args = [
         sys.executable, "-m", "streamrl", "up", f"--shared.run_dir={run_dir}", f"--shared.model_path={model}",
-        "--dashboard.port=0", f"--dashboard.metrics_base_port={metrics_base}", *extra,
+        "--dashboard.port=0", f"--dashboard.metrics_base_port={metrics_base}",
+        "--eval.samples_per_prompt=2",  # pass@2, not @8: 8 answers a prompt cost ~9 s per evaluation here
+        *extra,
     ]  # fmt: skip
     return subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -192,6 +194,9 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
         and summary["eval_version_after"] == summary["final_policy_version"] >= STEPS
     )
     assert summary["samples_trained"] == STEPS * 16 * 8  # 16 groups of 8 samples per step by default
+    # held-out answers scored with the training reward (the task's verifier here), with pass@k and digit buckets
+    assert summary["eval_reward"] == {"source": "training", "scorer": "arithmetic"}
+    assert list(summary["eval_pass_at_k_after"]) == ["1", "2"] and "digits=1" in summary["eval_buckets_after"]
     # the final evaluation ran on the trained weights (version STEPS), the first on the warm start (version 0)
     assert summary["eval_version_before"] == 0 and summary["eval_after_is_final_policy"] is True
     # the first rollout request is recorded (benchmarks start their time-to-target clock there)
