@@ -51,7 +51,7 @@ def test_every_streamrl_service_runs_a_real_subcommand_with_valid_options() -> N
     services = compose()["services"]
     calls = {name: streamrl_call(svc["command"]) for name, svc in services.items() if "command" in svc}
     streamrl_services = {name: call for name, call in calls.items() if call is not None}
-    assert set(streamrl_services) == {"learner", "rollout", "eval", "dashboard"}
+    assert set(streamrl_services) == {"learner", "rollout", "eval", "archive", "dashboard"}
     for name, (sub, options) in streamrl_services.items():
         assert sub in COMMANDS, f"{name}: unknown sub-command {sub!r}"
         for option in options:
