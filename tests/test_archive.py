@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -258,3 +259,16 @@ def test_a_part_interrupted_mid_write_is_never_read(tmp_path: Path, monkeypatch:
         write_rows(tmp_path / "part-000001.parquet", rows)
     assert [p.name for p in part_paths(tmp_path)] == ["part-000000.parquet"]
     assert read_archive(tmp_path).column("group_id").to_pylist() == ["g"]
+
+
+def test_the_archive_is_logged_as_a_wandb_artifact(tmp_path: Path) -> None:
+    parts = tmp_path / "archive"
+    parts.mkdir()
+    write_rows(parts / "part-000000.parquet", [rejected_row(Rejected("1-0", "g", "decode", "x"), "r", 0.0)])
+    archive.upload_artifact(parts, SharedConfig(run_id="wbtest", run_dir=tmp_path), "offline")
+    (log,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")  # what `wandb sync` uploads
+    deadline = time.monotonic() + 30  # wandb's service process writes the record after finish() returns
+    while b"part-000000.parquet" not in log.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    record = log.read_bytes()
+    assert b"wbtest-trajectories" in record and b"part-000000.parquet" in record
