@@ -9,7 +9,9 @@ Corrections (everything else is the default recipe, trust region included):
 
 - ``default``: the default loss (decoupled PPO against the proximal policy, behaviour weight capped);
 - ``none``: ``ppo``, PPO-clip with the behaviour policy as the old policy: what a naive asynchronous system does;
-- ``tis``: truncated importance sampling against the proximal policy; ``icepop``: masked IS.
+- ``tis``: truncated importance sampling against the proximal policy; ``icepop``: masked IS;
+- ``decoupled_m2`` (only with ``--corrections``): a candidate default, the default loss with 2 updates a step at
+  half the learning rate, so its trust region binds.
 
 Statistics: per (eta, correction) the mean over seeds and its standard error (sample standard deviation over
 seeds / sqrt(n)); with one seed the only noise that can be measured is the evaluation's own, the binomial
@@ -49,7 +51,11 @@ CORRECTIONS: dict[str, list[str]] = {
     "none": ["--learner.loss.policy_loss=ppo"],
     "tis": ["--learner.loss.policy_loss=tis"],
     "icepop": ["--learner.loss.policy_loss=icepop"],
+    # Not one of the four: a candidate default. The default loss with its trust region binding (2 updates
+    # a step, the second clipped against the step's start) at half the learning rate, so the step budget stays.
+    "decoupled_m2": ["--learner.ppo_minibatches=2", "--learner.lr=5e-5"],
 }
+DEFAULT_CORRECTIONS = ["default", "none", "tis", "icepop"]
 MODES = {
     "quick": {"etas": [0, 4, 8], "seeds": 1, "steps": 40},
     "full": {"etas": [0, 1, 2, 4, 8], "seeds": 3, "steps": 40},
@@ -178,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     etas = args.etas or MODES[mode]["etas"]
     seeds = args.seeds or MODES[mode]["seeds"]
     steps = args.steps or MODES[mode]["steps"]
-    corrections = args.corrections or list(CORRECTIONS)
+    corrections = args.corrections or DEFAULT_CORRECTIONS
     extra = [f"--learner.min_step_interval_s={args.step_interval}", *args.extra]
     from rollout_fleet.warmstart import init_warm_model
 

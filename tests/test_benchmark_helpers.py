@@ -299,8 +299,9 @@ def test_staleness_ablation_command_lines_are_valid_configs(tmp_path: Path, monk
         for c, argv in zip(staleness_ablation.CORRECTIONS, seen, strict=True)
     }
     assert {c: cfg.learner.loss.policy_loss for c, cfg in configs.items()} == {
-        "default": "decoupled_ppo", "none": "ppo", "tis": "tis", "icepop": "icepop",
+        "default": "decoupled_ppo", "none": "ppo", "tis": "tis", "icepop": "icepop", "decoupled_m2": "decoupled_ppo",
     }  # fmt: skip
+    assert configs["decoupled_m2"].learner.lr == configs["default"].learner.lr / 2
     for cfg in configs.values():
         assert (cfg.shared.eta, cfg.learner.max_steps, cfg.learner.ppo_minibatches) == (8, 5, 2)
         assert cfg.eval.heldout_prompts == 1000 and cfg.rollout.task.heldout_size == 1000
