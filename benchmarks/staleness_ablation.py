@@ -119,6 +119,7 @@ def cached_run(work: Path, key: dict[str, Any], model: Path, placement: str) -> 
         *CORRECTIONS[key["correction"]],
         f"--rollout.task.heldout_size={HELDOUT}",
         f"--eval.heldout_prompts={HELDOUT}",
+        "--eval.samples_per_prompt=1",  # the ablation reads greedy accuracy; pass@k's 8 samples would add minutes
         *key["extra"],
     ]
     run_dir = work / "runs" / path.stem
