@@ -44,6 +44,23 @@ def test_restart_on_failure_is_bounded(tmp_path: Path) -> None:
     assert len(said) == 2 and all("flaky" in m and "restarting" in m for m in said)
 
 
+def test_an_inessential_child_out_of_restarts_is_left_stopped_and_the_run_goes_on(tmp_path: Path) -> None:
+    # the archiver's case: an archive directory it cannot write makes it exit 1 on every start
+    counter = tmp_path / "count"
+    code = f"import pathlib,sys; p=pathlib.Path({str(counter)!r}); p.write_text(p.read_text()+'x' if p.exists() else 'x'); sys.exit(1)"
+    said: list[str] = []
+    sup = Supervisor(tmp_path / "logs", grace_s=5, poll_s=0.05, restart_delay_s=0.01, say=said.append)
+    sleeper = sup.start(ChildSpec("daemon", _py(SLEEPER)))
+    sup.start(ChildSpec("archive", _py(code), restart="on-failure", max_restarts=1, essential=False))
+    sup.start(ChildSpec("job", _py("import time; time.sleep(1.5)"), finishes_run=True))
+    assert (
+        sup.watch() == 0 and sup.failure is None
+    )  # the run ended when its job did, not when the archiver gave up
+    assert counter.read_text() == "xx"  # first run + 1 restart, then left stopped
+    assert any("archive is stopped for good" in m for m in said)
+    assert sleeper.process.returncode == 0
+
+
 def test_deaths_outside_the_window_do_not_spend_the_budget(tmp_path: Path) -> None:
     # dies every ~0.3 s, budget 1 per 0.2 s window: each death is alone in its window, so it keeps restarting
     counter = tmp_path / "count"
