@@ -47,13 +47,19 @@ from benchmarks.common import write_result
 from benchmarks.plot import figure, line_chart
 
 CORRECTIONS: dict[str, list[str]] = {
-    "default": [],
+    # The "default": decoupled PPO, the default loss until this ablation (2026-12-02) showed it
+    # collapsing at real staleness and made PPO-clip against the behaviour policy (the "none") the default.
+    "default": ["--learner.loss.policy_loss=decoupled_ppo"],
     "none": ["--learner.loss.policy_loss=ppo"],
     "tis": ["--learner.loss.policy_loss=tis"],
     "icepop": ["--learner.loss.policy_loss=icepop"],
     # Not one of the four: a candidate default. The default loss with its trust region binding (2 updates
     # a step, the second clipped against the step's start) at half the learning rate, so the step budget stays.
-    "decoupled_m2": ["--learner.ppo_minibatches=2", "--learner.lr=5e-5"],
+    "decoupled_m2": [
+        "--learner.loss.policy_loss=decoupled_ppo",
+        "--learner.ppo_minibatches=2",
+        "--learner.lr=5e-5",
+    ],
 }
 DEFAULT_CORRECTIONS = ["default", "none", "tis", "icepop"]
 MODES = {

@@ -19,7 +19,9 @@ class LossConfig(Section):
     """The policy loss and its knobs (docs/losses.md has every formula)."""
 
     policy_loss: PolicyLossName = Field(
-        "decoupled_ppo", description="Policy loss by name: ppo, decoupled_ppo, tis, icepop or gspo."
+        "ppo",
+        description="Policy loss by name: ppo (clip against the behaviour policy; the default, chosen by the "
+        "staleness ablation), decoupled_ppo, tis, icepop or gspo.",
     )
     aggregation: Aggregation = Field(
         "token-mean",
