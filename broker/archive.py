@@ -120,7 +120,9 @@ class TokenText:
 
     def pieces(self, ids: Iterable[int]) -> list[str]:
         """Each token's own text (the live viewer colours them one by one)."""
-        return [self.text([i]) for i in ids]
+        if not self.tokenizer:
+            return ["" for _ in ids]
+        return self.tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
 
 
 def _named(d: dict[str, float]) -> list[dict[str, Any]]:
@@ -292,8 +294,9 @@ class Archiver:
     async def step(self) -> None:
         """Read what is new, archive what is decided, write a part when one is due."""
         block_ms = int(self.config.poll_s * 1000)
-        for d in await self.consumer.read(block_ms=block_ms) + await self.consumer.claim_stale():
-            await self._take(d)
+        taken = [d for d in await self.consumer.read(block_ms=block_ms) + await self.consumer.claim_stale()
+                 if self._take(d)]  # fmt: skip
+        await self._push_recent([d.group for d in taken])
         now = time.time()
         for rejected in self.consumer.take_rejected():
             self.totals["rejected"] += 1
@@ -308,14 +311,15 @@ class Archiver:
         else:
             await self._status(error="")  # the dashboard shows how many groups wait for their outcome
 
-    async def _take(self, d: Delivery) -> None:
+    def _take(self, d: Delivery) -> bool:
+        """Hold a new group until its outcome; False for one already archived."""
         gid = d.group.group_id
         if gid in self.archived:  # read again after a crash between a part's rename and its acknowledgement
             self.totals["duplicates"] += 1
             self.row_entries.append(d.entry_id)  # acknowledged with the next part, no row
-            return
+            return False
         self.waiting[gid] = d
-        await self._push_recent(d.group)
+        return True
 
     async def _collect_outcomes(self) -> None:
         if not self.waiting:
@@ -376,12 +380,16 @@ class Archiver:
             write_rows(self.directory / PENDING_FILE, pending)
         log.info("archiver stopped: %d groups pending an outcome (%s)", len(self.waiting), PENDING_FILE)
 
-    async def _push_recent(self, group: TrajectoryGroup) -> None:
-        """The live viewer's feed: the group's samples with each token's text and policy version."""
-        if self.config.recent == 0:
+    async def _push_recent(self, groups: list[TrajectoryGroup]) -> None:
+        """The live viewer's feed: the newest ``archive.recent`` samples of ``groups`` (oldest first), each
+        token's text and policy version. Only those are decoded token by token: the rest would be trimmed."""
+        newest = (
+            [(g, s) for g in groups for s in g.samples][-self.config.recent :] if self.config.recent else []
+        )
+        if not newest:
             return
         docs = []
-        for s in group.samples:
+        for group, s in newest:
             doc = {"group_id": group.group_id, "prompt": self.text.text(group.prompt_ids.tolist()),
                    "sample_index": s.sample_index, "reward": s.reward, "components": s.reward_components,
                    "reward_status": s.reward_status, "finish_reason": s.finish_reason,
