@@ -472,6 +472,8 @@ def run_archive(shared: SharedConfig, broker: BrokerConfig, config: ArchiveConfi
     the exit code (1 when the archive directory cannot be written)."""
     import uvloop
 
+    if config.nice:
+        os.nice(config.nice)  # a background role: the learner and the engines come first for the CPU
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(_serve(shared, broker, config, wandb_mode))

@@ -146,6 +146,12 @@ class ArchiveConfig(Section):
     recent: int = Field(
         24, ge=0, description="Latest samples kept in Redis for the dashboard's live sample viewer (0: none)."
     )
+    nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="Nice increment of the archiver process, so it never takes CPU from the learner.",
+    )
     wandb_artifact: bool = Field(
         True,
         description="Upload the archive as a wandb artifact when the run ends (when learner.wandb_mode is on).",
