@@ -65,7 +65,9 @@ def test_equals_the_full_logits_path(n: int, chunk: int, bias: bool) -> None:
     want = _grads(full_token_logprobs, *case)
     got = _grads(lambda *a: token_logprobs(*a, chunk_tokens=chunk), *case)
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
-    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
+    # The entropy sums V float32 terms in another order than the reference's -(p log p).sum(): 1.2e-5 apart on a
+    # value of 0.6 for one case with the packages a fresh install resolved on 2026-12-02 (within 1e-5 before).
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=5e-5)
     for g, w in zip(got[2], want[2], strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
     assert all(float(g.abs().max()) > 1e-3 for g in got[2])  # the gradients are not trivially zero
