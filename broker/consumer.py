@@ -42,26 +42,38 @@ from broker.config import BrokerConfig, SharedConfig
 from broker.outcomes import RECORDS_LUA, Outcome
 from broker.record import KNOWN_SCHEMA_VERSIONS, RecordError, TrajectoryGroup
 
+# Stream ids compared as (milliseconds, sequence): parse and less, for the scripts below.
+STREAM_ID_LUA = """
+local function parse(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local function less(a, b)
+  local am, as = parse(a)
+  local bm, bs = parse(b)
+  return am < bm or (am == bm and as < bs)
+end
+"""
+
 # needed(stream, id): whether any consumer group still has the entry pending or not yet delivered. A payload
 # stored by reference is deleted by the last group to acknowledge its entry (the learner's, or the archive's).
-NEEDED_LUA = """
+NEEDED_LUA = (
+    STREAM_ID_LUA
+    + """
 local function needed(stream, id)
-  local im, is = string.match(id, '^(%d+)-(%d+)$')
-  im, is = tonumber(im), tonumber(is)
   for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
     local name, last
     for j = 1, #g, 2 do
       if g[j] == 'name' then name = g[j + 1] end
       if g[j] == 'last-delivered-id' then last = g[j + 1] end
     end
-    local lm, ls = string.match(last, '^(%d+)-(%d+)$')
-    lm, ls = tonumber(lm), tonumber(ls)
-    if im > lm or (im == lm and is > ls) then return true end
+    if less(last, id) then return true end
     if #redis.call('XPENDING', stream, name, id, id, 1) > 0 then return true end
   end
   return false
 end
 """
+)
 
 _ACK = (
     RECORDS_LUA
@@ -145,18 +157,11 @@ return record_drop(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], fields)
 """
 )
 
-_TRIM = """
+_TRIM = (
+    STREAM_ID_LUA
+    + """
 -- KEYS: 1 stream. Trim below the oldest entry that any consumer group has pending or not yet delivered.
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local function parse(id)
-  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
-  return tonumber(ms), tonumber(seq)
-end
-local function less(a, b)
-  local am, as = parse(a)
-  local bm, bs = parse(b)
-  return am < bm or (am == bm and as < bs)
-end
 local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
 if #groups == 0 then return 0 end
 local minid = nil
@@ -174,6 +179,7 @@ for _, g in ipairs(groups) do
 end
 return redis.call('XTRIM', KEYS[1], 'MINID', minid)
 """
+)
 
 _REASON = re.compile(r"^[a-z][a-z0-9_]*$")
 

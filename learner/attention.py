@@ -45,9 +45,8 @@ from broker.configlib import ConfigError
 
 AttentionKernel = Literal["auto", "sdpa", "flash_varlen"]
 PACKED_ATTENTION = "streamrl_packed"
-PACKED_FLASH_ATTENTION = (
-    "streamrl_packed_varlen"  # transformers reads any name with "flash" as its own flash-attention
-)
+# Not "..._flash": transformers takes any implementation name containing "flash" for its own flash-attention.
+PACKED_FLASH_ATTENTION = "streamrl_packed_varlen"
 PACKED_IMPLEMENTATIONS = (PACKED_ATTENTION, PACKED_FLASH_ATTENTION)
 # A varlen kernel: (q, k, v [N, h(kv), d] concatenated samples, cu_seqlens int32 [b + 1], max_seqlen, scaling)
 # -> [N, h, d], causal within each sample.
@@ -58,6 +57,13 @@ def _sdpa() -> Any:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward
+
+
+def _refuse_sliding_window(kwargs: dict[str, Any]) -> None:
+    if kwargs.get("sliding_window"):
+        raise NotImplementedError(
+            f"packed rows with sliding-window attention (window {kwargs['sliding_window']}) are not supported"
+        )
 
 
 def packed_attention(
@@ -88,10 +94,7 @@ def packed_attention(
         return sdpa(module, query, key, value, attention_mask, **kwargs)
     if packed_target is None or packed_order is None or packed_buckets is None:
         raise ValueError("packed_source needs packed_target, packed_order and packed_buckets")
-    if kwargs.get("sliding_window"):
-        raise NotImplementedError(
-            f"packed rows with sliding-window attention (window {kwargs['sliding_window']}) are not supported"
-        )
+    _refuse_sliding_window(kwargs)
     rows, heads, width, dim = query.shape
 
     def flat(x: Tensor) -> Tensor:  # [r, h, W, d] -> [r * W, h, d]
@@ -178,10 +181,7 @@ def packed_flash_attention(
         return _sdpa()(module, query, key, value, attention_mask, **kwargs)
     if packed_varlen is None:
         raise ValueError("packed_source needs packed_varlen for the varlen kernel")
-    if kwargs.get("sliding_window"):
-        raise NotImplementedError(
-            f"packed rows with sliding-window attention (window {kwargs['sliding_window']}) are not supported"
-        )
+    _refuse_sliding_window(kwargs)
     if kwargs.get("dropout", 0.0):
         raise NotImplementedError("the learner's varlen attention runs without attention dropout")
     out = varlen_attention(query, key, value, packed_varlen, flash_varlen_kernel, kwargs.get("scaling"))

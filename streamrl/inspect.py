@@ -18,6 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
@@ -170,14 +171,17 @@ def _summary_table(run_dir: Path, archive: Path, table: pa.Table, selected: int)
             "wall_seconds",
         ):
             if s.get(key) is not None:
-                out.add_row(key, str(s[key]))
+                out.add_row(key, f"{s[key]:g}" if isinstance(s[key], float) else str(s[key]))
     parts = part_paths(archive)
     nbytes = sum(p.stat().st_size for p in parts)
     groups = len(set(table.column("group_id").to_pylist()))
     out.add_row("archive", f"{archive} ({len(parts)} parts, {nbytes / 2**20:.1f} MiB)")
     out.add_row("samples / groups", f"{table.num_rows} / {groups} ({selected} samples selected)")
-    if table.num_rows:
-        out.add_row("bytes per sample", f"{nbytes / max(1, table.num_rows):.0f}")
+    part_rows = sum(
+        pq.ParquetFile(p).metadata.num_rows for p in parts
+    )  # the pending snapshot is not in nbytes
+    if part_rows:
+        out.add_row("bytes per sample", f"{nbytes / part_rows:.0f} (in the parts)")
     outcomes = Counter(table.column("outcome").to_pylist())
     reasons = Counter(r for r, o in zip(table.column("outcome_reason").to_pylist(), table.column("outcome").to_pylist(),
                                         strict=True) if o in ("dropped", "dead_lettered"))  # fmt: skip

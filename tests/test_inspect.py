@@ -70,6 +70,9 @@ def test_inspect_shows_filters_and_exports(tmp_path: Path) -> None:
     code, out = _run(str(tmp_path), "--samples", "1")
     assert code == 0
     assert "samples / groups" in out and "11 / 6 (11 samples selected)" in out  # 4x2 + 2 pending + 1 rejected
+    part_bytes = (tmp_path / "archive" / "part-000000.parquet").stat().st_size
+    (line,) = [x for x in out.splitlines() if "bytes per sample" in x]
+    assert f"│ {part_bytes / 9:.0f} (in the parts)" in line  # the part's 9 rows, not the pending snapshot's
     assert "dead_lettered 1, dropped 2, pending 2, trained 6" in out and "stale 2" in out
     # staleness of trained samples: 2 at 1 (step 1), 2 at 2 (step 2), 2 at 3 (step 3)
     hist = [line.split() for line in out.splitlines() if line.strip().startswith("│") and "###" in line]

@@ -72,7 +72,7 @@ def test_learner_trains_filters_stale_and_acknowledges(tmp_path: Path, redis_url
 
     proc = start_learner(
         tmp_path, redis_url, model_dir, "--learner.max_steps=3", "--learner.checkpoint_every=2",
-        "--learner.min_step_interval_s=2",
+        "--learner.min_step_interval_s=3",
     )  # fmt: skip
     wait_version(client, keys.version, 2, proc)
     # at version 2 the 4 remaining version-0 groups are 2 > eta = 1 behind: dropped as stale
@@ -99,9 +99,10 @@ def test_learner_trains_filters_stale_and_acknowledges(tmp_path: Path, redis_url
     assert first["staleness/max"] == 0 and first["policy_version"] == 1
     # the trainer's log-probs of the sampled tokens equal the behaviour log-probs at staleness 0
     assert first["mismatch_abs"] < 1e-4
-    # min_step_interval_s held step 2's batch (queued since the start) until 2 s after step 1's arrived
+    # min_step_interval_s held step 2's batch (queued since the start) until 3 s after step 1's arrived: what is
+    # left of the 3 s once step 1 trained (well under 2.5 s even on a loaded machine)
     second = {k.decode(): float(v) for k, v in points[1][1].items()}
-    assert first["paced_seconds"] == 0 and 0.5 < second["paced_seconds"] <= 2
+    assert first["paced_seconds"] == 0 and 0.5 < second["paced_seconds"] <= 3
     assert (tmp_path / "run" / "export" / "latest" / "model.safetensors").is_file()
 
 
