@@ -274,6 +274,10 @@ def _check_entry(e: _Entry, decoder: Callable[[bytes], TrajectoryGroup] = decode
         return _Bad(classify(exc), str(exc))
     if group.group_id != e.gid:
         return _Bad("invalid", f"entry field gid = {e.gid!r} differs from the payload's {group.group_id!r}")
+    if group.schema_version != version:
+        return _Bad(
+            "schema_version", f"entry field v = {version} differs from the payload's {group.schema_version}"
+        )
     return group
 
 

@@ -1,4 +1,4 @@
-"""The trajectory record, schema v1 (frozen): one stream entry is one prompt group.
+"""The trajectory record, schema v1 (frozen) and v2 (multi-turn): one stream entry is one prompt group.
 
 A group carries everything the learner needs to train on it without asking anyone else: the prompt and output
 token ids exactly as the engine returned them (never re-tokenised), the engine's behaviour log-probs, the
@@ -10,6 +10,17 @@ the stream hold read-only views of the received bytes (no copy); copy before mut
 
 :meth:`TrajectoryGroup.validate` runs before every write and after every read; it raises :class:`RecordError`
 naming the field path (``samples[3].logprobs[17]``) and the offending value.
+
+Schema v2 adds two per-sample fields for multi-turn (agentic) samples, and nothing else changes:
+
+- ``turn_bounds`` (int32, 2 x turns): ``[start_0, end_0, start_1, end_1, ...]``, the half-open spans of
+  ``output_ids`` the model generated, one per turn, in order and disjoint, the last ending at T. Between them
+  lie observation and tool tokens (the environment's), whose loss mask is 0, whose log-prob is 0.0 and whose
+  version is that of the turn that caused them. Empty for a single-turn sample.
+- ``episode`` (dict[str, float]): the episode's counters (turns, tool calls, tool errors, observation tokens).
+
+A group is written as v1 when none of its samples is multi-turn (so single-turn bytes equal v1 and the golden
+v1 fixture still pins them) and as v2 otherwise; readers accept both.
 """
 
 from __future__ import annotations
@@ -20,8 +31,9 @@ from typing import Any
 
 import numpy as np
 
-SCHEMA_VERSION = 1
-KNOWN_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
+SCHEMA_V1, SCHEMA_V2 = 1, 2
+SCHEMA_VERSION = SCHEMA_V2  # the newest; a group states the version it needs (schema_version_for)
+KNOWN_SCHEMA_VERSIONS = frozenset({SCHEMA_V1, SCHEMA_V2})
 FINISH_REASONS = ("stop", "length", "abort")
 REWARD_STATUSES = ("ok", "timeout", "error")
 # Engines compute log-probs in reduced precision; a token with probability ~1 can come back slightly above 0.
@@ -36,6 +48,9 @@ ARRAY_DTYPES: dict[str, np.dtype] = {
     "loss_mask": np.dtype("u1"),
 }
 PROMPT_DTYPE = np.dtype("<i4")
+TURN_BOUNDS_DTYPE = np.dtype("<i4")
+_NO_TURNS = np.zeros(0, dtype=TURN_BOUNDS_DTYPE)
+_NO_TURNS.flags.writeable = False
 
 
 class RecordError(ValueError):
@@ -49,6 +64,14 @@ class RecordError(ValueError):
         if len(shown) > 120:
             shown = shown[:117] + "..."
         super().__init__(f"{field} = {shown}: {reason}")
+
+
+def schema_version_for(samples: list[Any]) -> int:
+    """The schema version a group of these samples is written with: v2 if any is multi-turn, else v1."""
+    for s in samples:
+        if isinstance(s, Sample) and s.is_multi_turn():
+            return SCHEMA_V2
+    return SCHEMA_V1
 
 
 def make_group_id(run_id: str, epoch: int, prompt_index: int, attempt: int) -> str:
@@ -178,10 +201,25 @@ class Sample:
     engine_id: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     num_resubmits: int = 0
+    # schema v2: (2 x turns,) int32 [start, end) of each model turn in output_ids; empty = single-turn
+    turn_bounds: np.ndarray = field(default_factory=lambda: _NO_TURNS)
+    episode: dict[str, float] = field(default_factory=dict)  # schema v2: turns, tool_calls, tool_errors, ...
 
     def __post_init__(self) -> None:
         for name, dtype in ARRAY_DTYPES.items():
             setattr(self, name, as_array(getattr(self, name), dtype, name))
+        self.turn_bounds = as_array(self.turn_bounds, TURN_BOUNDS_DTYPE, "turn_bounds")
+
+    def is_multi_turn(self) -> bool:
+        """Whether the sample needs schema v2 (turn bounds or episode counters)."""
+        return bool(self.turn_bounds.shape[0]) or bool(self.episode)
+
+    def turns(self) -> list[tuple[int, int]]:
+        """The model's turns as (start, end) spans of output_ids; a single-turn sample is one span."""
+        tb = self.turn_bounds
+        if not tb.shape[0]:
+            return [(0, self.num_tokens())]
+        return [(int(tb[i]), int(tb[i + 1])) for i in range(0, tb.shape[0], 2)]
 
     def num_tokens(self) -> int:
         """Output tokens of this sample."""
@@ -246,7 +284,9 @@ class Sample:
             and _finite_dict(self.timings)
             and type(nr) is int
             and 0 <= nr <= INT32_MAX
-        )
+            and self.turn_bounds.shape[0] == 0
+            and not self.episode
+        )  # a multi-turn sample always takes the slow path: its turn structure is checked there
 
     def _validate_slow(self, path: str) -> None:
         _check_int(f"{path}.sample_index", self.sample_index)
@@ -304,6 +344,38 @@ class Sample:
         _check_str(f"{path}.engine_id", self.engine_id)
         _check_float_dict(f"{path}.timings", self.timings)
         _check_int(f"{path}.num_resubmits", self.num_resubmits)
+        self._validate_turns(path)
+
+    def _validate_turns(self, path: str) -> None:
+        tb = self.turn_bounds
+        _check_array(f"{path}.turn_bounds", tb, TURN_BOUNDS_DTYPE)
+        _check_float_dict(f"{path}.episode", self.episode)
+        if not tb.shape[0]:
+            return
+        n = self.num_tokens()
+        if tb.shape[0] % 2:
+            raise RecordError(f"{path}.turn_bounds", f"length {tb.shape[0]}", "must hold (start, end) pairs")
+        previous_end = 0
+        for i in range(0, tb.shape[0], 2):
+            start, end = int(tb[i]), int(tb[i + 1])
+            if not previous_end <= start < end <= n:
+                raise RecordError(
+                    f"{path}.turn_bounds[{i}:{i + 2}]",
+                    [start, end],
+                    f"turns must be non-empty, ordered, disjoint spans within [{previous_end}, {n}]",
+                )
+            if start > previous_end or i == 0:
+                gap = self.loss_mask[previous_end:start]
+                if gap.shape[0] and gap.max() != 0:
+                    where = previous_end + int(np.flatnonzero(gap)[0])
+                    raise RecordError(
+                        f"{path}.loss_mask[{where}]", 1, "observation tokens (between turns) must be masked"
+                    )
+            previous_end = end
+        if previous_end != n:
+            raise RecordError(
+                f"{path}.turn_bounds[{tb.shape[0] - 1}]", previous_end, f"the last turn must end at T = {n}"
+            )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sample):
@@ -334,10 +406,12 @@ class TrajectoryGroup:
     created_at: float = 0.0  # unix seconds
     extra: dict[str, str] = field(default_factory=dict)  # small free-form strings, e.g. the reference answer
     group_id: str = ""  # "" means make_group_id(run_id, epoch, prompt_index, attempt)
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = 0  # 0 means the version the samples need: 1 single-turn, 2 multi-turn
 
     def __post_init__(self) -> None:
         self.prompt_ids = as_array(self.prompt_ids, PROMPT_DTYPE, "prompt_ids")
+        if self.schema_version == 0 and isinstance(self.samples, list):
+            self.schema_version = schema_version_for(self.samples)
         if not self.group_id and isinstance(self.run_id, str):
             self.group_id = make_group_id(self.run_id, self.epoch, self.prompt_index, self.attempt)
 
@@ -357,6 +431,13 @@ class TrajectoryGroup:
         if self.schema_version not in KNOWN_SCHEMA_VERSIONS:
             raise RecordError(
                 "schema_version", self.schema_version, f"unknown; known: {sorted(KNOWN_SCHEMA_VERSIONS)}"
+            )
+        needed = schema_version_for(self.samples) if isinstance(self.samples, list) else SCHEMA_V1
+        if needed > self.schema_version:
+            raise RecordError(
+                "schema_version",
+                self.schema_version,
+                f"multi-turn samples (turn_bounds) need schema v{needed}",
             )
         _check_str("run_id", self.run_id, non_empty=True)
         for name in ("epoch", "prompt_index", "attempt"):

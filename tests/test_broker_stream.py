@@ -139,9 +139,14 @@ async def test_malformed_entries_are_dead_lettered_while_good_ones_flow(client, 
             "<payload>",
         ),
         "schema version field": (
-            {"v": 2, "gid": group(103).group_id, "d": encode(group(103))},
+            {"v": 3, "gid": group(103).group_id, "d": encode(group(103))},
             "schema_version",
-            "v = 2",
+            "v = 3",
+        ),
+        "schema version mismatch": (
+            {"v": 2, "gid": group(108).group_id, "d": encode(group(108))},
+            "schema_version",
+            "v = 2 differs from the payload's 1",
         ),
         "schema version inside": (
             {"v": 1, "gid": group(104).group_id, "d": corrupt(group(104), lambda m: m.update(sv=9))},
@@ -196,7 +201,7 @@ async def test_malformed_entries_are_dead_lettered_while_good_ones_flow(client, 
     assert snap["counters"]["dead_lettered"] == len(bad)
     assert snap["dead_lettered_by_reason"] == {
         "decode": 1,
-        "schema_version": 2,
+        "schema_version": 3,
         "invalid": 2,
         "missing_field": 2,
         "missing_payload": 1,

@@ -1,5 +1,7 @@
 """Trajectory record schema v1 and its msgpack codec: round trips, the golden fixture, validation errors.
 
+Schema v2 (multi-turn samples) has its own tests in tests/test_record_v2.py.
+
 Regenerate the golden fixture only for a deliberate schema change (which is a new schema version):
     .venv/bin/python tests/test_record.py --write-fixture
 """
@@ -196,7 +198,7 @@ BAD_CASES: dict[str, tuple[Callable[[TrajectoryGroup], None], str, str]] = {
         "empty",
     ),
     "bad top_p": (_set("samples[0].top_p", 0.0), r"samples\[0\]\.top_p = 0\.0", r"\(0, 1\]"),
-    "schema version": (_set("schema_version", 2), r"schema_version = 2", "unknown"),
+    "schema version": (_set("schema_version", 3), r"schema_version = 3", "unknown"),
     "empty run id": (_set("run_id", ""), r"run_id = ''", "empty"),
     "empty prompt id": (_set("prompt_id", ""), r"prompt_id = ''", "empty"),
     "empty prompt": (_set("prompt_ids", np.zeros(0, dtype=np.int32)), r"prompt_ids = '\[\]'", "empty"),
@@ -268,8 +270,13 @@ def test_decode_errors_name_the_field() -> None:
         decode(_pack(m))
 
     m = copy.deepcopy(good)
+    m[GROUP_KEYS["schema_version"]] = 3
+    with pytest.raises(RecordError, match=r"schema_version = 3: unknown"):
+        decode(_pack(m))
+
+    m = copy.deepcopy(good)  # v1 keys under a v2 label: the v2 fields are missing
     m[GROUP_KEYS["schema_version"]] = 2
-    with pytest.raises(RecordError, match=r"schema_version = 2: unknown"):
+    with pytest.raises(RecordError, match=r"samples\[0\]\.turn_bounds = None: missing \(wire key 'tb'\)"):
         decode(_pack(m))
 
     with pytest.raises(RecordError, match=r"<payload> = 'list': must be a msgpack map"):
