@@ -134,7 +134,16 @@ class RolloutConfig(Section):
         ge=1,
         description="Prompt groups this worker has in flight at most (each sends group_size requests).",
     )
-    max_new_tokens: int = Field(256, ge=1, description="Output token budget of each sample.")
+    max_new_tokens: int = Field(
+        256,
+        ge=1,
+        description="Output token budget of each sample (of a multi-turn episode: model and observation tokens "
+        "together).",
+    )
+    max_turns: int = Field(8, ge=1, description="Multi-turn tasks: model turns per episode at most.")
+    max_tokens_per_turn: int | None = Field(
+        None, ge=1, description="Multi-turn tasks: token budget of one model turn; unset is max_new_tokens."
+    )
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (below 1e-6 is greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")

@@ -115,10 +115,12 @@ def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) 
 
 def load_model(path: str | Path) -> tuple[Any, Any]:
     """(model, tokenizer) from a Hugging Face model directory, fp32 on CPU, in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    return model.eval(), AutoTokenizer.from_pretrained(str(path))
+    from rollout_fleet.model import load_tokenizer
+
+    return model.eval(), load_tokenizer(path)
 
 
 def evaluate(

@@ -326,14 +326,13 @@ def summary_fields(rollout: RolloutConfig, config: EvalConfig, before: dict, aft
 
 
 def _tokenizer_and_task(shared: SharedConfig, rollout: RolloutConfig) -> tuple[Any, Task]:
-    from transformers import AutoTokenizer
-
+    from rollout_fleet.model import load_tokenizer
     from rollout_fleet.tasks.config import build_task
 
     path = rollout.tokenizer_path or shared.model_path
     if path is None:
         raise ValueError("shared.model_path is not set: the evaluator needs the model's tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     return tokenizer, build_task(rollout.task, tokenizer)
 
 

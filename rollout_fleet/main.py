@@ -58,9 +58,9 @@ def default_worker_id() -> str:
 
 def load_tokenizer(path: Path):  # noqa: ANN201 - a transformers tokenizer
     """The model's tokenizer from a local directory (never the hub)."""
-    from transformers import AutoTokenizer
+    from rollout_fleet.model import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return load(path)
 
 
 def tokenizer_path(shared: SharedConfig, engine: EngineConfig, rollout: RolloutConfig) -> Path:

@@ -14,6 +14,7 @@ import os
 import string
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -94,6 +95,23 @@ def build_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> Qwen
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """A model directory's tokenizer, from local files only. A directory saved from a bare ``tokenizers`` object
+    (this project's character-level one) is loaded as exactly that: ``AutoTokenizer`` would pick the model
+    type's tokenizer class (Qwen2's) and replace its pre-tokenizer with Qwen's, which drops newlines and
+    spaces from the character vocabulary."""
+    from transformers import AutoTokenizer
+
+    config = Path(path) / "tokenizer_config.json"
+    try:
+        tokenizer_class = json.loads(config.read_text()).get("tokenizer_class")
+    except (OSError, json.JSONDecodeError):
+        tokenizer_class = None
+    if tokenizer_class in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def cache_root() -> Path:

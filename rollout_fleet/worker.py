@@ -61,6 +61,8 @@ from rollout_fleet.client import (
 )
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.dispatch import Lease, PromptDispatcher
+from rollout_fleet.envs.base import EnvironmentTask, is_multi_turn
+from rollout_fleet.envs.episode import Episode, EpisodeBudgets, EpisodeError, TurnOutput, run_episode
 from rollout_fleet.router import NoEngineAvailable, Router
 from rollout_fleet.tasks import TRAIN, Prompt, RewardResult, Task
 
@@ -146,6 +148,12 @@ class WorkerStats:
     rejected_requests: int = 0
     worker_errors: int = 0
     reward_status: Counter = field(default_factory=Counter)
+    episodes: int = 0  # multi-turn samples finished
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    observation_tokens: int = 0
+    episode_ends: Counter = field(default_factory=Counter)  # why episodes ended: done, eos, max_turns, ...
     reward_sum: float = 0.0
     reward_count: int = 0
     wait_capacity_s: float = 0.0
@@ -156,6 +164,7 @@ class WorkerStats:
         out["groups_dropped"] = float(sum(self.groups_dropped.values()))
         out.update({f"groups_dropped/{k}": float(v) for k, v in self.groups_dropped.items()})
         out.update({f"reward_status/{k}": float(v) for k, v in self.reward_status.items()})
+        out.update({f"episode_end/{k}": float(v) for k, v in self.episode_ends.items()})
         return out
 
 
@@ -212,7 +221,20 @@ class RolloutWorker:
         # LoRA served by adapter name (SGLang): each request selects the published version's adapter
         self.adapter_name = adapter_name
         eos = getattr(tokenizer, "eos_token_id", None)
-        stops = set(rollout.stop_token_ids) | ({int(eos)} if eos is not None else set())
+        self.eos_ids = {int(eos)} if eos is not None else set()
+        stops = set(rollout.stop_token_ids) | self.eos_ids
+        self.multi_turn = is_multi_turn(task)
+        self.budgets: EpisodeBudgets | None = None
+        if self.multi_turn:
+            assert isinstance(task, EnvironmentTask)
+            stops |= {int(tokenizer.convert_tokens_to_ids(t)) for t in task.turn_end_tokens}
+            self.budgets = EpisodeBudgets(
+                max_turns=rollout.max_turns,
+                max_total_tokens=rollout.max_new_tokens,
+                max_tokens_per_turn=min(
+                    rollout.max_tokens_per_turn or rollout.max_new_tokens, rollout.max_new_tokens
+                ),
+            )
         self.sampling = SamplingConfig(
             rollout.temperature, rollout.top_p, rollout.top_k, tuple(sorted(stops))
         )
@@ -408,7 +430,12 @@ class RolloutWorker:
         if not prompt_ids:
             raise GroupAbandoned("bad_prompt", DROP, f"prompt {prompt.prompt_id!r} tokenises to nothing")
         n = self.config.group_size
-        first = await self._first_requests(group_id, prompt_ids) if self.config.batch_group_requests else None
+        budget = self.budgets.max_tokens_per_turn if self.budgets else self.config.max_new_tokens
+        first = (
+            await self._first_requests(group_id, prompt_ids, budget)
+            if self.config.batch_group_requests
+            else None
+        )
         results: list[_SampleResult] = await _all_or_nothing(
             [self._sample(group_id, i, prompt_ids, prompt, first[i] if first else None) for i in range(n)]
         )
@@ -438,14 +465,14 @@ class RolloutWorker:
             return payload
         return {**payload, "lora_path": self.adapter_name(version)}
 
-    async def _first_requests(self, group_id: str, prompt_ids: list[int]) -> list[_Answer] | None:
+    async def _first_requests(
+        self, group_id: str, prompt_ids: list[int], budget: int
+    ) -> list[_Answer] | None:
         """Every sample's first request in one batched ``/generate``; None when the batch failed and each
         sample should start on its own (a failed engine is taken out of routing as for a single request)."""
         n = self.config.group_size
         rids = [f"{group_id}:s{i}:r0" for i in range(n)]
-        payload = self._select_adapter(
-            build_group_request(prompt_ids, self.sampling, self.config.max_new_tokens, rids)
-        )
+        payload = self._select_adapter(build_group_request(prompt_ids, self.sampling, budget, rids))
         try:
             handle = await self.router.acquire()
         except NoEngineAvailable as exc:
@@ -456,10 +483,8 @@ class RolloutWorker:
             results = await handle.client.generate_batch(payload)
             for result in results:
                 self.router.observe(handle, result.weight_version)
-                if len(result.output_ids) > self.config.max_new_tokens:
-                    raise InvalidResponse(
-                        f"{len(result.output_ids)} tokens for max_new_tokens = {self.config.max_new_tokens}"
-                    )
+                if len(result.output_ids) > budget:
+                    raise InvalidResponse(f"{len(result.output_ids)} tokens for max_new_tokens = {budget}")
         except EngineUnavailable as exc:
             self.router.mark_failed(handle, str(exc))
             self.stats.engine_failures += 1
@@ -484,6 +509,8 @@ class RolloutWorker:
     async def _sample(
         self, group_id: str, index: int, prompt_ids: list[int], prompt: Prompt, first: _Answer | None = None
     ) -> _SampleResult:
+        if self.multi_turn:
+            return await self._episode(group_id, index, prompt_ids, prompt, first)
         generated = await self._generate(group_id, index, prompt_ids, first)
         text = self.tokenizer.decode(generated.tokens, skip_special_tokens=False)
         started = time.monotonic()
@@ -491,13 +518,112 @@ class RolloutWorker:
         generated.timings["reward_s"] = time.monotonic() - started
         return _SampleResult(self._build_sample(index, generated, reward), text)
 
+    async def _episode(
+        self, group_id: str, index: int, prompt_ids: list[int], prompt: Prompt, first: _Answer | None
+    ) -> _SampleResult:
+        """One multi-turn sample: the task's environment run turn by turn (rollout_fleet.envs.episode), each
+        turn generated like a single-turn sample (aborts resubmitted, failed engines avoided), then the whole
+        transcript scored by the task's verifier in the reward pool, plus the environment's own rewards."""
+        assert isinstance(self.task, EnvironmentTask) and self.budgets is not None
+        started = time.monotonic()
+
+        async def turn(input_ids: list[int], budget: int, k: int) -> TurnOutput:
+            gen = await self._generate(group_id, index, input_ids, first if k == 0 else None, budget, k)
+            return TurnOutput(
+                gen.tokens, gen.logprobs, gen.versions, gen.finish, gen.engine_id, gen.resubmits
+            )
+
+        env = self.task.make_env(prompt)
+        try:
+            try:
+                observation = await env.reset()
+            except Exception as exc:  # noqa: BLE001 - the environment's failure, not the model's
+                raise EpisodeError(f"environment reset raised {type(exc).__name__}: {exc}") from exc
+            if observation != prompt.text:  # the group shares one prompt: every sample must start from it
+                raise EpisodeError(f"reset observation {observation[:60]!r} differs from the prompt's text")
+            episode = await run_episode(
+                env,
+                prompt_ids,
+                turn,
+                self._encode_observation,
+                lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
+                self.budgets,
+                tuple(self.eos_ids),
+                self.config.mask_resubmitted_prefix,
+            )
+        except EpisodeError as exc:
+            raise GroupAbandoned("env_error", DROP, str(exc)) from exc
+        finally:
+            with contextlib.suppress(Exception):
+                await env.close()
+        generate_s = time.monotonic() - started
+        text = self.tokenizer.decode(episode.tokens, skip_special_tokens=False)
+        started = time.monotonic()
+        reward = await self.rewards.score(self.scorer, prompt, text, self.scorer_options)
+        timings = {"generate_s": generate_s, "reward_s": time.monotonic() - started}
+        self._count_episode(episode)
+        return _SampleResult(self._build_episode_sample(index, episode, reward, timings), text)
+
+    def _encode_observation(self, text: str) -> list[int]:
+        """An observation's ids: its text tokenised alone (earlier turns are ids already, never re-tokenised)."""
+        return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+    def _count_episode(self, episode: Episode) -> None:
+        self.stats.episodes += 1
+        self.stats.turns += len(episode.turns)
+        self.stats.tool_calls += episode.tool_calls
+        self.stats.tool_errors += episode.tool_errors
+        self.stats.observation_tokens += episode.observation_tokens
+        self.stats.episode_ends[episode.end] += 1
+        if log.isEnabledFor(logging.DEBUG):
+            for k, t in enumerate(episode.turns):
+                log.debug("turn %d: %r -> %r %s", k, t.action, t.observation, t.info)
+
+    def _build_episode_sample(
+        self, index: int, episode: Episode, reward: RewardResult, timings: dict[str, float]
+    ) -> Sample:
+        ok = reward.status == "ok"
+        self.stats.reward_status[reward.status] += 1
+        components = {str(k): float(v) for k, v in reward.components.items()} if ok else {}
+        if ok and episode.env_reward:
+            components["env"] = episode.env_reward
+        return Sample(
+            sample_index=index,
+            output_ids=np.asarray(episode.tokens, dtype=np.int32),
+            logprobs=np.asarray(episode.logprobs, dtype=np.float32),
+            versions=np.asarray(episode.versions, dtype=np.int32),
+            loss_mask=np.asarray(episode.loss_mask, dtype=np.uint8),
+            finish_reason=episode.finish_reason,
+            truncated=episode.truncated,
+            reward=float(reward.reward) + episode.env_reward if ok else 0.0,
+            reward_components=components,
+            reward_status=reward.status,
+            reward_error="" if ok else (reward.error or reward.status),
+            temperature=float(self.config.temperature),
+            top_p=float(self.config.top_p),
+            top_k=int(self.config.top_k),
+            engine_id=episode.engine_id,
+            timings=timings,
+            num_resubmits=episode.resubmits,
+            turn_bounds=np.asarray(episode.turn_bounds, dtype=np.int32),
+            episode=episode.stats(),
+        )
+
     async def _generate(
-        self, group_id: str, index: int, prompt_ids: list[int], first: _Answer | None = None
+        self,
+        group_id: str,
+        index: int,
+        prompt_ids: list[int],
+        first: _Answer | None = None,
+        budget_total: int | None = None,
+        turn: int = 0,
     ) -> _Generated:
-        """Requests until the sample finishes (stop or length), resubmitting interrupted partials; ``first``
-        is the answer to the sample's first request when the group's batch already made it."""
+        """Requests until the sample (or one turn of an episode: ``turn``, with its own ``budget_total``)
+        finishes (stop or length), resubmitting interrupted partials; ``first`` is the answer to the first
+        request when the group's batch already made it."""
         out = _Generated()
-        budget_total = self.config.max_new_tokens
+        budget_total = self.config.max_new_tokens if budget_total is None else budget_total
+        rid_base = f"{group_id}:s{index}" if turn == 0 else f"{group_id}:s{index}:t{turn}"
         prefer: str | None = None
         failures = requests = 0
         started = time.monotonic()
@@ -510,7 +636,7 @@ class RolloutWorker:
             if budget <= 0:  # an abort arrived exactly at the budget: the sample is complete, cut at length
                 out.finish = "length"
                 break
-            rid = f"{group_id}:s{index}:r{requests}"
+            rid = f"{rid_base}:r{requests}"
             payload = self._select_adapter(
                 build_generate_request(prompt_ids + out.tokens, self.sampling, budget, rid)
             )

@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from rollout_fleet.engine.protocol import GenItem
 from rollout_fleet.engine.runner import ModelRunner
 from rollout_fleet.engine.scheduler import Scheduler, Sink
+from rollout_fleet.model import load_tokenizer
 from weight_sync.lora import AdapterApplier, LoraSpec
 
 log = logging.getLogger("streamrl.engine")
@@ -119,7 +120,7 @@ class Engine:
         self.served_model_name = served_model_name or str(path)
         self.device = resolve_device(device)
         started = time.monotonic()
-        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.tokenizer = load_tokenizer(path)
         config_dtype = getattr(AutoConfig.from_pretrained(path, local_files_only=True), "dtype", None)
         self.dtype = resolve_dtype(dtype, self.device, config_dtype)
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=self.dtype)

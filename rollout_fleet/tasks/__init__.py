@@ -5,7 +5,8 @@
     result = task.score(prompt, completion_text)  # RewardResult(reward, components, status, error)
 
 Built in: ``arithmetic`` (the tiny model's task), ``long_multiplication`` (its long-output task: scratchpads of
-hundreds to ~16,000 tokens), ``gsm8k``, ``countdown`` and ``dataset`` (prompt and answer fields, exact match).
+hundreds to ~16,000 tokens), ``gsm8k``, ``countdown``, ``dataset`` (prompt and answer fields, exact match) and
+``tool_arithmetic`` (multi-turn: multiplication with a calculator tool; see rollout_fleet.envs).
 A custom task is a class or factory given by import path, ``"package.module:Name"``.
 Importing this package imports neither torch nor transformers (reward workers import it).
 """
@@ -51,6 +52,7 @@ _REGISTRY: dict[str, str | Callable[..., Task]] = {
     "countdown": "rollout_fleet.tasks.countdown:CountdownTask",
     "long_multiplication": "rollout_fleet.tasks.long_multiplication:LongMultiplicationTask",
     "dataset": "rollout_fleet.tasks.dataset:DatasetTask",
+    "tool_arithmetic": "rollout_fleet.tasks.tool_arithmetic:ToolArithmeticTask",
 }
 
 

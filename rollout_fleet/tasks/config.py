@@ -15,7 +15,8 @@ class TaskConfig(Section):
 
     name: str = Field(
         "arithmetic",
-        description="Task: arithmetic, long_multiplication, gsm8k, countdown, dataset, or package.module:Class.",
+        description="Task: arithmetic, long_multiplication, gsm8k, countdown, dataset, tool_arithmetic (multi-turn, "
+        "a calculator tool), or package.module:Class.",
     )
     seed: int | None = Field(
         None, ge=0, description="Seed of generated prompts (arithmetic, long_multiplication, countdown)."
