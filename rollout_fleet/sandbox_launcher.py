@@ -18,6 +18,7 @@ Both write one JSON line each to the status descriptor: the child ``{"setup": ..
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -266,22 +267,37 @@ def _kill_all(child: int, uid: int | None) -> None:
         if not pids:
             break
         for pid in pids:
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
         _reap()
     if uid is not None and os.geteuid() == 0:
-        os.setresuid(uid, uid, 0)  # kill(-1) as the call's uid reaches exactly its processes
-        for _ in range(100):
-            try:
-                os.kill(-1, signal.SIGKILL)
-            except ProcessLookupError:
-                break
-            _reap()
-            time.sleep(0.001)
-        os.setresuid(0, 0, 0)
+        # kill(-1) as the call's uid reaches exactly its processes, all at once under the kernel's task list
+        # lock (no fork can slip in between); it reports success whenever any process exists, so the loop
+        # ends on /proc showing none of the uid left.
+        os.setresuid(uid, uid, 0)
+        try:
+            for _ in range(2000):
+                with contextlib.suppress(OSError):
+                    os.kill(-1, signal.SIGKILL)
+                _reap()
+                if not _running_as(uid):
+                    break
+                time.sleep(0.001)
+        finally:
+            os.setresuid(0, 0, 0)
     _reap()
+
+
+def _running_as(uid: int) -> bool:
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != me:
+            try:
+                if os.stat(f"/proc/{name}").st_uid == uid:
+                    return True
+            except OSError:
+                pass
+    return False
 
 
 def _reap() -> None:
@@ -333,10 +349,8 @@ def main() -> int:
         reason = "killed"
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if reason != "exited":
-        try:
+        with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
     _, status, rusage = os.wait4(pid, 0)
     wall = time.monotonic() - t0
     _kill_all(pid, spec["uid"])
