@@ -29,7 +29,7 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -49,6 +49,8 @@ from rollout_fleet.client import (
     parse_version,
 )
 from rollout_fleet.config import RolloutConfig
+from rollout_fleet.envs.base import EnvironmentTask
+from rollout_fleet.envs.episode import EpisodeBudgets, TurnOutput, run_episode
 from rollout_fleet.eval_stats import buckets_of, by_bucket, component_means, pass_at_k_of, pass_at_ks, solved
 from rollout_fleet.rewards import RewardPool
 from rollout_fleet.tasks import TEST, Prompt, RewardResult, Task
@@ -207,12 +209,65 @@ class _Permits:
                 self._free.release()
 
 
+EVAL_MAX_TURNS = 8  # model turns of one held-out episode at most (the worker's default rollout.max_turns)
+
+
+async def _episode_answer(
+    client: EngineClient,
+    tokenizer: Any,
+    task: EnvironmentTask,
+    prompt: Prompt,
+    prompt_ids: list[int],
+    sampling: SamplingConfig,
+    budget: int,
+    rid: str,
+) -> tuple[str, int]:
+    """(transcript, weight version of its last token) of one episode of a multi-turn task, run as the worker
+    runs it (the same runner, the task's environment and turn-end tokens; ``budget`` bounds the whole output)."""
+    ends = {int(tokenizer.convert_tokens_to_ids(t)) for t in task.turn_end_tokens}
+    turn_sampling = replace(sampling, stop_token_ids=tuple(sorted(set(sampling.stop_token_ids) | ends)))
+
+    async def turn(input_ids: list[int], max_new: int, k: int) -> TurnOutput:
+        r = await client.generate(build_generate_request(input_ids, turn_sampling, max_new, f"{rid}-t{k}"))
+        return TurnOutput(list(r.output_ids), list(r.logprobs), list(r.versions), r.finish_reason)
+
+    env = task.make_env(prompt)
+    try:
+        await env.reset()
+        episode = await run_episode(
+            env,
+            list(prompt_ids),
+            turn,
+            lambda text: tokenizer(text, add_special_tokens=False).input_ids,
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+            EpisodeBudgets(EVAL_MAX_TURNS, budget, budget),
+            (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else (),
+        )
+    finally:
+        with contextlib.suppress(Exception):
+            await env.close()
+    return tokenizer.decode(episode.tokens, skip_special_tokens=False), episode.versions[-1]
+
+
 async def _answers(
-    client: EngineClient, tokenizer: Any, prompt: Prompt, sampling: SamplingConfig, budget: int, count: int
+    client: EngineClient,
+    tokenizer: Any,
+    prompt: Prompt,
+    sampling: SamplingConfig,
+    budget: int,
+    count: int,
+    task: Task | None = None,
 ) -> list[tuple[str, int]]:
     """(text, weight version) of ``count`` answers to one prompt; several go as one batched request."""
     ids = tokenizer(prompt.text, add_special_tokens=False).input_ids
     rid = f"eval-t{sampling.temperature:g}-{prompt.index}-{time.monotonic_ns()}"
+    if isinstance(task, EnvironmentTask):
+        return await asyncio.gather(
+            *(
+                _episode_answer(client, tokenizer, task, prompt, ids, sampling, budget, f"{rid}-{i}")
+                for i in range(count)
+            )
+        )
     if count == 1:
         results = [await client.generate(build_generate_request(ids, sampling, budget, rid))]
     else:
@@ -253,7 +308,7 @@ async def evaluate_through_engines(
         async def run(k: int, prompt: Prompt, sampling: SamplingConfig, count: int) -> list[_Scored]:
             async with permits.hold(count):
                 answers = await _answers(
-                    clients[k % len(clients)], tokenizer, prompt, sampling, config.max_new_tokens, count
+                    clients[k % len(clients)], tokenizer, prompt, sampling, config.max_new_tokens, count, task
                 )
             return [(await scoring.score(prompt, text), version) for text, version in answers]
 

@@ -241,3 +241,32 @@ def test_tool_calls_parse_in_both_formats_and_the_calculator_runs_no_code() -> N
 def test_step_result_defaults() -> None:
     assert StepResult() == StepResult(observation="", reward=0.0, done=False, info={}, observation_ids=None)
     assert asyncio.iscoroutinefunction(EchoEnv.step)
+
+
+async def test_held_out_evaluation_runs_multi_turn_tasks_as_episodes(model_dir: Path) -> None:
+    """The evaluator runs an environment task's held-out prompts through the same episode runner: each answer
+    it scores is a whole transcript (turns and observations), not a single generation."""
+    from rollout_fleet.evaluator import (
+        EvalConfig,
+        Scoring,
+        eval_reward,
+        evaluate_through_engines,
+        reward_pool,
+    )
+    from rollout_fleet.model import load_tokenizer
+    from rollout_fleet.tasks.config import build_task
+
+    config = EvalConfig(every_versions=2, heldout_prompts=3, max_new_tokens=32, concurrency=4, poll_s=0.05)
+    with serving(model_dir) as srv:
+        _, _, rollout = configs(model_dir, [srv.url], task=TaskConfig(name="tests.agentic_tasks:EchoTask"))
+        tokenizer = load_tokenizer(model_dir)
+        task = build_task(rollout.task, tokenizer)
+        async with reward_pool(rollout) as pool:
+            before = srv.engine.stats()["finished_requests"]
+            result = await evaluate_through_engines(
+                [srv.url], task, tokenizer, config, (), Scoring(eval_reward(rollout, config), pool), 30.0
+            )
+            requests = srv.engine.stats()["finished_requests"] - before
+    assert result.n == 3
+    # 3 greedy + 3 sampled episodes of up to 3 turns each, one request per turn (EOS may end one early)
+    assert 6 < requests <= 18
