@@ -249,8 +249,17 @@ def _lease_uid(config: SandboxConfig, lock_dir: Path):
     raise SandboxError(f"all {config.uid_count} sandbox uids from {config.uid_base} are busy")
 
 
-def _prepare_root(work_root: Path) -> Path:
+def _prepare_root(work_root: Path, as_uid: bool) -> Path:
     work_root.mkdir(parents=True, exist_ok=True)
+    if as_uid:
+        parent = os.path.dirname(os.path.realpath(work_root))
+        while parent != "/" and os.stat(parent).st_mode & stat.S_IXOTH:
+            parent = os.path.dirname(parent)
+        if parent != "/" or not os.stat("/").st_mode & stat.S_IXOTH:
+            raise SandboxError(
+                f"sandbox.work_root {work_root}: {parent} is not world-executable, so a per-call uid cannot "
+                "reach its work dir; choose a work_root under a traversable directory"
+            )
     os.chmod(work_root, 0o711)  # a call uid may enter its own dir, not list the others
     locks = work_root / ".locks"
     locks.mkdir(mode=0o700, exist_ok=True)
@@ -373,7 +382,7 @@ def _kill_uid_now(uid: int) -> None:
 async def run_python(code: str, config: SandboxConfig, stdin: str = "") -> SandboxResult:
     """Run ``code`` in a fresh sandbox process; every outcome the code can cause is a SandboxResult."""
     plan = _plan(config)
-    locks = await asyncio.to_thread(_prepare_root, plan.work_root)
+    locks = await asyncio.to_thread(_prepare_root, plan.work_root, plan.run_as_uid)
     lease = _lease_uid(config, locks) if plan.run_as_uid else contextlib.nullcontext(None)
     with lease as uid:
         workdir = Path(tempfile.mkdtemp(prefix="call-", dir=plan.work_root))
