@@ -219,6 +219,11 @@ def _child(spec: dict, status_fd: int) -> None:
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
+    # The launcher gone (killed by the worker's last-resort timeout): so is the call. Set after the uid change,
+    # which clears it.
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() == 1:
+        os._exit(127)
     os.chdir(spec["workdir"])
     limits = spec["limits"]
     for name, value in (

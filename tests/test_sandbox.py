@@ -293,3 +293,77 @@ async def test_infrastructure_failures_are_sandbox_errors(config: SandboxConfig,
         hidden.mkdir(mode=0o700)
         with pytest.raises(SandboxError, match="not world-executable"):
             await run_python("print(1)", config.model_copy(update={"work_root": hidden / "root"}))
+
+
+@needs_root
+def test_launcher_isolates_without_root(work_root: Path):
+    """The non-root fallback, run for real: the launcher itself under an unprivileged uid (setpriv), no uid of
+    its own for the call: a user + network namespace, Landlock, and leftovers found as descendants."""
+    import json
+    import random
+
+    from rollout_fleet import sandbox_launcher
+
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) missing")
+    uid = 39000 + random.randrange(500)
+    workdir = work_root / "call-nonroot"
+    workdir.mkdir(mode=0o700)
+    os.chown(workdir, uid, uid)
+    outside = Path("/tmp") / f"sandbox-escape-{uuid.uuid4().hex}"
+    code = f"""
+import os, socket, time
+if os.fork() == 0:
+    os.setsid()
+    time.sleep(60)
+try:
+    socket.create_connection(("127.0.0.1", 9), timeout=1)
+except OSError as exc:
+    print("net:", exc)
+try:
+    open({str(outside)!r}, "w")
+except OSError as exc:
+    print("fs:", type(exc).__name__)
+print("uid:", os.getuid())
+"""
+    (workdir / "main.py").write_text(code)
+    os.chown(workdir / "main.py", uid, uid)
+    r, w = os.pipe()
+    spec = {
+        "status_fd": w,
+        "python": "/usr/bin/python3",
+        "flags": ["-I"],
+        "script": "main.py",
+        "workdir": str(workdir),
+        "uid": None,
+        "network": "auto",
+        "filesystem": "auto",
+        "read_paths": ["/usr", "/lib", "/lib64", "/etc"],
+        "env": {"PATH": "/usr/bin:/bin"},
+        "timeout_s": 10,
+        "limits": {"cpu": 5, "as": 1 << 30, "fsize": 1 << 20, "nproc": 16, "nofile": 64},
+    }
+    argv = [
+        "setpriv",
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "/usr/bin/python3",
+        "-I",
+        sandbox_launcher.__file__,
+        json.dumps(spec),
+    ]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, pass_fds=(w,))
+    finally:
+        os.close(w)
+    with os.fdopen(r, "rb") as f:
+        status = {k: v for line in f.read().decode().splitlines() for k, v in json.loads(line).items()}
+    assert proc.returncode == 0, proc.stderr
+    assert status["exit"]["exit_code"] == 0, (status, proc.stderr)
+    assert "net: [Errno 101] Network is unreachable" in proc.stdout
+    assert status["setup"]["network"] == "netns"
+    if landlock_abi() >= 1:
+        assert status["setup"]["filesystem"].startswith("landlock")
+        assert "fs: PermissionError" in proc.stdout and not outside.exists()
+    assert _processes_of(uid) == []  # the setsid'd sleeper was found as a descendant and killed
