@@ -74,8 +74,9 @@ class SandboxConfig(Section):
     )
     network: Literal["auto", "netns", "seccomp", "none"] = Field(
         "auto",
-        description="No network: netns (an empty network namespace), seccomp (every socket but AF_UNIX refused), "
-        "auto (netns where the kernel allows, else seccomp) or none (not isolated).",
+        description="No network: netns (an empty network namespace, plus AF_UNIX sockets refused by seccomp where "
+        "pyseccomp is installed), seccomp (socket() refused), auto (netns where the kernel allows, else seccomp) "
+        "or none (not isolated).",
     )
     filesystem: Literal["auto", "landlock", "none"] = Field(
         "auto",

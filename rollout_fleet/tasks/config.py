@@ -96,7 +96,8 @@ class RewardConfig(Section):
     max_memory_bytes: int | None = Field(
         8 << 30,
         ge=1 << 26,
-        description="Address space of each reward worker (RLIMIT_AS); past it the call is an error; None: no limit.",
+        description="Address space of each reward worker (RLIMIT_AS); past it the call is an error; None: no "
+        "limit (needed by a scorer that initializes CUDA).",
     )
 
 
