@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from broker.configlib import Section
+from rollout_fleet.sandbox import SandboxConfig
 from rollout_fleet.tasks.config import RewardConfig, TaskConfig
 
 
@@ -126,6 +127,10 @@ class RolloutConfig(Section):
     )
     task: TaskConfig = Field(default_factory=TaskConfig, description="The task: prompts plus verifier.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="The reward process pool.")
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig,
+        description="The Python tool's sandbox (agentic tasks; docs/rollout.md).",
+    )
     tokenizer_path: Path | None = Field(
         None, description="Tokenizer directory; unset uses engine.model_path, else shared.model_path."
     )

@@ -120,9 +120,9 @@ def eval_reward(rollout: RolloutConfig, config: EvalConfig) -> EvalReward:
 
 
 def reward_pool(rollout: RolloutConfig) -> RewardPool:
-    """A reward pool set up as the rollout workers' (workers, timeout, start method)."""
+    """A reward pool set up as the rollout workers' (workers, timeout, start method, memory limit)."""
     r = rollout.reward
-    return RewardPool(r.workers, r.timeout_s, r.load_timeout_s, r.start_method)
+    return RewardPool(r.workers, r.timeout_s, r.load_timeout_s, r.start_method, r.max_memory_bytes)
 
 
 @dataclass(frozen=True)

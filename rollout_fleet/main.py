@@ -114,6 +114,7 @@ async def open_worker(
         timeout_s=rollout.reward.timeout_s,
         load_timeout_s=rollout.reward.load_timeout_s,
         start_method=rollout.reward.start_method,
+        max_memory_bytes=rollout.reward.max_memory_bytes,
     )
     router: Router | None = None
     try:

@@ -12,7 +12,9 @@ Outcomes: ``ok``; ``timeout`` (the call ran past ``timeout_s``: the worker is ki
 reward 0); ``error`` (the function raised, returned something unusable or non-finite, or its process died:
 reward 0, the message says which). Every component comes back, not only the total. Workers start with the
 ``forkserver`` (default) or ``spawn`` method, never ``fork`` (the parent has threads), and limit torch to one
-thread if the scorer imports it. ``pool.stats`` counts outcomes and restarts.
+thread if the scorer imports it. Each worker caps its own address space (``RLIMIT_AS``, ``max_memory_bytes``)
+before it loads any scorer, so a verifier that allocates without bound gets a MemoryError (an ``error``), not
+the host's memory. ``pool.stats`` counts outcomes and restarts.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import resource
 import sys
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -83,8 +86,13 @@ def _limit_threads() -> bool:
     return True
 
 
-def _worker_main(conn: Connection) -> None:
+def _worker_main(conn: Connection, max_memory_bytes: int | None = None) -> None:
     """Serve (job, scorer, options, prompt, completion) requests until a None or EOF arrives."""
+    if max_memory_bytes is not None:
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        if hard != resource.RLIM_INFINITY:
+            max_memory_bytes = min(max_memory_bytes, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (max_memory_bytes, hard))
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = "1"  # read by torch / numpy when a scorer imports them
     torch_limited = False
@@ -110,6 +118,12 @@ def _worker_main(conn: Connection) -> None:
             value = scorers[key](prompt, completion)
             torch_limited = torch_limited or _limit_threads()
             reward, components = normalize(value, scorer)
+        except MemoryError:
+            limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+            conn.send(
+                (job, "error", f"MemoryError: the reward worker's memory limit ({limit} bytes) was reached")
+            )
+            continue
         except Exception as e:  # noqa: BLE001
             conn.send((job, "error", f"{type(e).__name__}: {e}"))
             continue
@@ -129,7 +143,8 @@ class RewardPool:
     """A fixed number of reward worker processes; ``score`` is a coroutine, one job per worker at a time.
 
     ``timeout_s`` bounds the reward call itself; ``load_timeout_s`` bounds starting a worker and importing a
-    scorer the first time (imports can be slow, and they are not the verifier's fault).
+    scorer the first time (imports can be slow, and they are not the verifier's fault). ``max_memory_bytes``
+    is each worker's address-space limit (RLIMIT_AS), None for none.
     """
 
     def __init__(
@@ -138,6 +153,7 @@ class RewardPool:
         timeout_s: float = 5.0,
         load_timeout_s: float = 60.0,
         start_method: str = "forkserver",
+        max_memory_bytes: int | None = None,
     ) -> None:
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"reward workers must be an int >= 1, got {workers!r}")
@@ -147,7 +163,10 @@ class RewardPool:
             )
         if start_method not in START_METHODS:
             raise ValueError(f"reward start_method must be one of {START_METHODS}, got {start_method!r}")
+        if max_memory_bytes is not None and max_memory_bytes < 1 << 26:
+            raise ValueError(f"reward max_memory_bytes must be >= 64 MiB or None, got {max_memory_bytes!r}")
         self.workers, self.timeout_s, self.load_timeout_s = workers, timeout_s, load_timeout_s
+        self.max_memory_bytes = max_memory_bytes
         self._ctx = mp.get_context(start_method)
         self._slots = [_Slot() for _ in range(workers)]
         self._idle: asyncio.Queue[_Slot] | None = None
@@ -257,7 +276,9 @@ class RewardPool:
             self.stats["restarts"] += 1
         slot.starts += 1
         parent, child = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=_worker_main, args=(child,), name="streamrl-reward", daemon=True)
+        process = self._ctx.Process(
+            target=_worker_main, args=(child, self.max_memory_bytes), name="streamrl-reward", daemon=True
+        )
         process.start()
         child.close()
         slot.process, slot.conn = process, parent

@@ -74,8 +74,9 @@ class SandboxConfig(Section):
     )
     network: Literal["auto", "netns", "seccomp", "none"] = Field(
         "auto",
-        description="No network: netns (an empty network namespace), seccomp (every socket but AF_UNIX refused), "
-        "auto (netns where the kernel allows, else seccomp) or none (not isolated).",
+        description="No network: netns (an empty network namespace, plus AF_UNIX sockets refused by seccomp where "
+        "pyseccomp is installed), seccomp (socket() refused), auto (netns where the kernel allows, else seccomp) "
+        "or none (not isolated).",
     )
     filesystem: Literal["auto", "landlock", "none"] = Field(
         "auto",
@@ -238,9 +239,11 @@ def _lease_uid(config: SandboxConfig, lock_dir: Path):
         except BlockingIOError:
             os.close(fd)
             continue
-        if _uids_running(uid):  # left over by a worker that died mid-call; the next call of it kills them
-            os.close(fd)
-            continue
+        if _uids_running(uid):  # left over by a worker that died mid-call: nobody holds the uid, so kill them
+            _kill_uid_now(uid)
+            if _uids_running(uid):
+                os.close(fd)
+                continue
         try:
             yield uid
         finally:
@@ -391,16 +394,17 @@ async def run_python(code: str, config: SandboxConfig, stdin: str = "") -> Sandb
             if uid is not None:
                 os.chown(workdir, uid, uid)
                 os.chown(workdir / "main.py", uid, uid)
-            return await _run(code, config, plan, uid, str(workdir), stdin)
+            return await _run(config, plan, uid, str(workdir), stdin)
         finally:
             await asyncio.to_thread(shutil.rmtree, workdir, True)
 
 
-async def _run(code: str, config: SandboxConfig, plan: _Plan, uid: int | None, workdir: str, stdin: str):
+async def _run(config: SandboxConfig, plan: _Plan, uid: int | None, workdir: str, stdin: str):
     read_paths = list(config.read_paths)
-    prefix = os.path.dirname(os.path.dirname(os.path.realpath(plan.python)))
-    if prefix not in ("/", "/usr"):
-        read_paths.append(prefix)
+    for python in (plan.python, os.path.realpath(plan.python)):  # a venv and the installation under it
+        prefix = os.path.dirname(os.path.dirname(os.path.abspath(python)))
+        if prefix not in ("/", "/usr") and prefix not in read_paths:
+            read_paths.append(prefix)
     nproc = config.max_processes
     if uid is None and os.geteuid() != 0:
         nproc += _uids_running(os.getuid())  # RLIMIT_NPROC counts every process of the worker's uid

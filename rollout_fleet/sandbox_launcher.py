@@ -157,17 +157,30 @@ def _landlock(workdir: str, read_paths: list[str], abi: int) -> None:
     os.close(ruleset)
 
 
-def _seccomp() -> None:
+def _pyseccomp():
     try:
         import pyseccomp
-    except (ImportError, RuntimeError) as exc:  # RuntimeError: libseccomp.so.2 missing
-        raise SetupError(f"network=seccomp needs the pyseccomp package and libseccomp.so.2: {exc}") from exc
+    except (ImportError, RuntimeError):  # RuntimeError: libseccomp.so.2 missing
+        return None
+    return pyseccomp
+
+
+def _seccomp(all_sockets: bool) -> None:
+    """Refuse socket() (every family when ``all_sockets``, else AF_UNIX only), socketpair() but AF_UNIX's
+    (asyncio's self-pipe needs it; a pair reaches nothing outside), and io_uring, which can open and connect
+    sockets without the socket() syscall. Everything else is allowed; other architectures' syscalls kill."""
+    pyseccomp = _pyseccomp()
+    if pyseccomp is None:
+        raise SetupError(
+            "network=seccomp needs the pyseccomp package (the sandbox extra) and libseccomp.so.2"
+        )
     deny = pyseccomp.ERRNO(errno.EPERM)
-    f = pyseccomp.SyscallFilter(defaction=pyseccomp.ALLOW)  # other architectures' syscalls: killed
-    not_unix = pyseccomp.Arg(0, pyseccomp.NE, socket.AF_UNIX)
-    f.add_rule(deny, "socket", not_unix)
-    f.add_rule(deny, "socketpair", not_unix)
-    # io_uring can open and connect sockets without the socket() syscall.
+    f = pyseccomp.SyscallFilter(defaction=pyseccomp.ALLOW)
+    if all_sockets:
+        f.add_rule(deny, "socket")
+    else:
+        f.add_rule(deny, "socket", pyseccomp.Arg(0, pyseccomp.EQ, socket.AF_UNIX))
+    f.add_rule(deny, "socketpair", pyseccomp.Arg(0, pyseccomp.NE, socket.AF_UNIX))
     for name in ("io_uring_setup", "io_uring_enter", "io_uring_register"):
         f.add_rule(deny, name)
     f.load()
@@ -183,11 +196,17 @@ def _network(mode: str, is_root: bool) -> str:
     if mode in ("auto", "netns"):
         try:
             _unshare(CLONE_NEWNET if is_root else CLONE_NEWUSER | CLONE_NEWNET)
-            return "netns"
         except OSError as exc:
             if mode == "netns":
                 raise SetupError(f"network=netns: the kernel refused a network namespace ({exc})") from exc
-    _seccomp()
+        else:
+            # A network namespace leaves the host's unix sockets reachable by path (a world-writable Docker or
+            # Redis socket): refuse AF_UNIX sockets too where seccomp is at hand.
+            if _pyseccomp() is None:
+                return "netns"
+            _seccomp(all_sockets=False)
+            return "netns+seccomp"
+    _seccomp(all_sockets=True)
     return "seccomp"
 
 
@@ -219,6 +238,11 @@ def _child(spec: dict, status_fd: int) -> None:
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
+    # The launcher gone (killed by the worker's last-resort timeout): so is the call. Set after the uid change,
+    # which clears it.
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() == 1:
+        os._exit(127)
     os.chdir(spec["workdir"])
     limits = spec["limits"]
     for name, value in (

@@ -56,3 +56,9 @@ def torch_threads(prompt: Prompt, completion: str) -> float:
 
 
 NOT_CALLABLE = 42
+
+
+def memory_hog(prompt: Prompt, completion: str) -> float:
+    """Allocates 2 GiB: past a reward worker's RLIMIT_AS."""
+    block = bytearray(2 << 30)
+    return float(len(block))

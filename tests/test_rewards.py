@@ -154,3 +154,17 @@ def test_normalize_accepts_numbers_mappings_and_results() -> None:
     with pytest.raises(RewardFunctionError, match="not a number"):
         normalize(True, "f")
     assert isinstance(PROMPT, Prompt)
+
+
+async def test_memory_hog_hits_the_workers_address_space_limit() -> None:
+    async with RewardPool(workers=1, timeout_s=30, max_memory_bytes=1 << 30) as pool:
+        pid = pool.pids()[0]
+        with open(f"/proc/{pid}/limits") as f:
+            line = next(ln for ln in f if ln.startswith("Max address space"))
+        assert line.split()[3] == str(1 << 30)
+        result = await pool.score(f"{FNS}:memory_hog", PROMPT, "")
+        assert result.status == "error" and "memory limit (1073741824 bytes)" in result.error
+        assert pool.pids() == [pid]  # the worker survived its MemoryError and keeps serving
+        assert (await pool.score("arithmetic", PROMPT, GOOD)).status == "ok"
+    with pytest.raises(ValueError, match="max_memory_bytes"):
+        RewardPool(max_memory_bytes=1000)

@@ -94,6 +94,12 @@ class RewardConfig(Section):
     start_method: Literal["forkserver", "spawn"] = Field(
         "forkserver", description="How reward workers start (never fork: the parent has threads)."
     )
+    max_memory_bytes: int | None = Field(
+        8 << 30,
+        ge=1 << 26,
+        description="Address space of each reward worker (RLIMIT_AS); past it the call is an error; None: no "
+        "limit (needed by a scorer that initializes CUDA).",
+    )
 
 
 def build_task(config: TaskConfig, tokenizer: Any = None) -> Task:
