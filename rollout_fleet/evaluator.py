@@ -388,7 +388,10 @@ def _tokenizer_and_task(shared: SharedConfig, rollout: RolloutConfig) -> tuple[A
     if path is None:
         raise ValueError("shared.model_path is not set: the evaluator needs the model's tokenizer")
     tokenizer = load_tokenizer(path)
-    return tokenizer, build_task(rollout.task, tokenizer)
+    task = build_task(rollout.task, tokenizer)
+    if isinstance(task, EnvironmentTask):
+        task.sandbox = rollout.sandbox
+    return tokenizer, task
 
 
 def _stop_ids(tokenizer: Any, rollout: RolloutConfig) -> tuple[int, ...]:

@@ -40,9 +40,11 @@ from broker.registry import EngineRegistry
 from broker.staleness import RedisCounters, StalenessManager
 from rollout_fleet.config import EngineConfig, RolloutConfig
 from rollout_fleet.dispatch import DispatchMismatch, PromptDispatcher
+from rollout_fleet.envs.base import EnvironmentTask
 from rollout_fleet.fleet import Fleet, FleetError
 from rollout_fleet.rewards import RewardPool
 from rollout_fleet.router import Router
+from rollout_fleet.sandbox import check_sandbox
 from rollout_fleet.tasks import TRAIN, TaskError
 from rollout_fleet.tasks.config import build_task
 from rollout_fleet.worker import RolloutWorker, VersionCache
@@ -107,6 +109,10 @@ async def open_worker(
     worker_id = rollout.worker_id or default_worker_id()
     tok = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_path(shared, engine, rollout))
     task = build_task(rollout.task, tok)
+    if isinstance(task, EnvironmentTask):
+        task.sandbox = rollout.sandbox
+        if task.uses_sandbox:  # refuse to start with isolation the config asks for and the host cannot give
+            log.info("tool sandbox: %s", await check_sandbox(rollout.sandbox))
     client: aioredis.Redis = connect(redis_url, broker)
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     rewards = RewardPool(

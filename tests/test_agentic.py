@@ -270,3 +270,29 @@ async def test_held_out_evaluation_runs_multi_turn_tasks_as_episodes(model_dir: 
     assert result.n == 3
     # 3 greedy + 3 sampled episodes of up to 3 turns each, one request per turn (EOS may end one early)
     assert 6 < requests <= 18
+
+
+async def test_python_tool_calls_run_in_the_sandbox_and_escapes_come_back_as_tool_errors(
+    tmp_path: Path,
+) -> None:
+    """A <python> call of the calculator task runs in a fresh sandbox process (rollout_fleet.sandbox, tested in
+    depth in test_sandbox.py): its output is the observation, and a fork bomb or a socket is a tool error the
+    model sees while the episode goes on."""
+    from rollout_fleet.sandbox import SandboxConfig
+
+    task = get_task("tool_arithmetic", tokenizer=build_tokenizer())
+    task.sandbox = SandboxConfig(timeout_s=5.0, cpu_time_s=5)
+    env = task.make_env(task.make_prompt(0))
+    await env.reset()
+    ok = await env.step("<python>print(6 * 7)</python><|im_end|>")
+    assert (ok.done, ok.info["tool"], ok.info["tool_status"]) == (False, "python", "ok")
+    assert "\n<|im_start|>tool\n42<|im_end|>\n" in ok.observation
+    bomb = await env.step("<python>import os\nwhile True: os.fork()</python><|im_end|>")
+    assert bomb.info["tool_status"] != "ok" and "error:" in bomb.observation and not bomb.done
+    sock = await env.step(
+        "<python>import socket\nsocket.create_connection(('127.0.0.1', 1), timeout=1)</python><|im_end|>"
+    )
+    assert sock.info["tool_status"] == "error" and "error:" in sock.observation
+    task.sandbox = None  # without a sandbox the python tool is refused, never run in this process
+    off = await task.make_env(task.make_prompt(0)).step("<python>print(1)</python><|im_end|>")
+    assert off.info["tool_status"] == "error" and "not enabled" in off.observation

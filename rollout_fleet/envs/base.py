@@ -66,6 +66,9 @@ class EnvironmentTask(Task):
     """
 
     multi_turn = True
+    # the python tool's sandbox (rollout.sandbox), set by the worker and the evaluator before make_env
+    sandbox: Any = None
+    uses_sandbox = False  # whether the worker checks the sandbox at start (a task whose tools run code)
     # token strings that end a model turn (besides EOS, which ends the episode); resolved to ids by the worker
     turn_end_tokens: tuple[str, ...] = ("<|im_end|>",)
 

@@ -17,7 +17,10 @@ import json
 import operator
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rollout_fleet.sandbox import SandboxConfig
 
 TOOL_FORMATS = ("tags", "hermes")
 _TAG_RE = re.compile(r"<(calc|python)>(.*?)</\1>", re.DOTALL)
@@ -121,3 +124,23 @@ def tool_observation(tokenizer: Any, content: str, role: str = "tool") -> str:
     end_marker = tail.lstrip().split("\n", 1)[0]  # the model generated the marker itself (its stop token)
     suffix = tail[tail.index(end_marker) + len(end_marker) :] if end_marker else tail
     return suffix + after[len(before) :]
+
+
+async def run_tool(call: ToolCall, sandbox: SandboxConfig | None) -> tuple[str, str]:
+    """(observation content, status) of one call: ``calc`` in-process on a parsed tree, ``python`` in a fresh
+    sandbox process (rollout_fleet.sandbox; never in this process). A tool error (bad expression, an exception,
+    a limit hit) is the status's kind and shown to the model; an unusable sandbox raises SandboxError, which
+    is an infrastructure failure the model is never shown."""
+    if call.name == "calc":
+        try:
+            return calculate(call.argument), "ok"
+        except ToolCallError as exc:
+            return f"error: {exc}", "error"
+    if call.name == "python":
+        if sandbox is None:
+            return "error: the python tool is not enabled for this task", "error"
+        from rollout_fleet.sandbox import run_python
+
+        result = await run_python(call.argument, sandbox)
+        return result.observation().rstrip("\n"), result.kind
+    return f"error: unknown tool {call.name!r}", "error"

@@ -21,7 +21,7 @@ import re
 from typing import Any
 
 from rollout_fleet.envs.base import Environment, EnvironmentTask, StepResult
-from rollout_fleet.envs.tools import ToolCallError, calculate, parse_tool_call, tool_observation
+from rollout_fleet.envs.tools import ToolCallError, parse_tool_call, run_tool, tool_observation
 from rollout_fleet.tasks.base import (
     TEST,
     TRAIN,
@@ -55,9 +55,10 @@ def last_turn(completion: str) -> str:
 class ToolArithmeticEnv(Environment):
     """One episode: a ``<calc>`` call gets the calculator's answer as a tool message; any other turn ends it."""
 
-    def __init__(self, prompt: Prompt, tokenizer: Any) -> None:
+    def __init__(self, prompt: Prompt, tokenizer: Any, sandbox: Any = None) -> None:
         self.prompt = prompt
         self.tokenizer = tokenizer
+        self.sandbox = sandbox  # the python tool's SandboxConfig; None: only calc
 
     async def reset(self) -> str:
         return self.prompt.text
@@ -65,16 +66,16 @@ class ToolArithmeticEnv(Environment):
     async def step(self, action: str) -> StepResult:
         try:
             call = parse_tool_call(action, "tags")
+        except ToolCallError as exc:
+            content, status, tool = f"error: {exc}", "error", "unknown"
+        else:
             if call is None:
                 return StepResult(done=True)
-            if call.name != "calc":
-                raise ToolCallError(f"unknown tool {call.name!r}; this task has calc")
-            content, status = calculate(call.argument), "ok"
-        except ToolCallError as exc:
-            content, status = f"error: {exc}", "error"
+            content, status = await run_tool(call, self.sandbox)
+            tool = call.name
         observation = tool_observation(self.tokenizer, content)
         return StepResult(
-            observation=observation, info={"tool": "calc", "tool_status": status, "result": content}
+            observation=observation, info={"tool": tool, "tool_status": status, "result": content}
         )
 
 
@@ -83,6 +84,7 @@ class ToolArithmeticTask(EnvironmentTask):
 
     name = "tool_arithmetic"
     version = "1"
+    uses_sandbox = True  # <python> calls run in rollout.sandbox
 
     def __init__(
         self,
@@ -146,7 +148,7 @@ class ToolArithmeticTask(EnvironmentTask):
             raise TaskError(
                 "task tool_arithmetic: make_env needs the tokenizer (the tool message is templated)"
             )
-        return ToolArithmeticEnv(prompt, self.tokenizer)
+        return ToolArithmeticEnv(prompt, self.tokenizer, self.sandbox)
 
     def reference_turns(self, prompt: Prompt, use_tool: bool | None = None) -> list[str]:
         """The model turns of the reference episode (each ending with its ``<|im_end|>``): the tool call and the
