@@ -8,7 +8,7 @@ the tiny model computes reliably, so it calls the calculator and copies the resu
     \\n<|im_start|>tool\\n5535<|im_end|>\\n<|im_start|>assistant\\n       (observation; masked)
     #5535<|im_end|>                                                     (turn 2: the answer; trained)
 
-Rewards: ``correct`` (the text after the last ``#`` of the last turn is the product) and ``format`` (the last
+Rewards: ``correct`` (the text after the last ``#`` of the last turn is exactly the product's digits) and ``format`` (the last
 turn is ``#<digits>``). Prompts are a pure function of (seed, split, index); the problem space is split by a
 hash of the unordered pair, as in the addition task, so no held-out problem is trained on.
 """
@@ -163,11 +163,7 @@ class ToolArithmeticTask(EnvironmentTask):
         m = _ANSWER_RE.fullmatch(final)
         fmt = 1.0 if m else 0.0
         got = final.rsplit("#", 1)[1].strip() if "#" in final else None
-        correct = (
-            1.0 if got is not None and got.isdigit() and got.lstrip("0") == prompt.answer.lstrip("0") else 0.0
-        )
-        if prompt.answer == "0" and got is not None and got and set(got) == {"0"}:
-            correct = 1.0
+        correct = 1.0 if got is not None and got.isascii() and got == prompt.answer else 0.0  # exact digits
         return RewardResult(
             reward=correct + self.format_weight * fmt, components={"correct": correct, "format": fmt}
         )
