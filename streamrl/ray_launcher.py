@@ -27,6 +27,7 @@ hosts, engines and Redis bind their node's address.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -49,7 +50,8 @@ log = logging.getLogger("streamrl.ray")
 HEAD_RESOURCE = "node:__internal_head__"  # every Ray head node has it
 POLL_S = 0.5  # how often a remote process is asked whether it exited
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-LOST = -int(signal.SIGKILL)  # the exit code of a process whose actor (or node) died
+LOST = -int(signal.SIGKILL)
+PLACEMENT_FILE = "placement.json"  # RUN_DIR/placement.json: node, address and pid of each role process  # the exit code of a process whose actor (or node) died
 
 
 def import_ray() -> Any:
@@ -287,6 +289,8 @@ class RayLauncher:
         self.engine_nodes: dict[str, str] = {}  # engine name -> node id it was placed on
         self.engine_ips: dict[str, str] = {}
         self.placement_groups: list[Any] = []
+        self.placement: dict[str, dict[str, Any]] = {}  # where each role process runs: RUN_DIR/placement.json
+        self.placement_path: Path | None = None
         self.cwd = os.getcwd()
         log.info("Ray cluster: %d node(s), head %s, GPUs: %s", len(nodes), self.head_ip, self.has_gpus)
         print(
@@ -329,6 +333,7 @@ class RayLauncher:
         """Place the engines (their URLs are part of the config every role reads) and choose the addresses Redis
         and the engines bind. Returns the config to write."""
         cfg = cfg.model_copy(deep=True)
+        self.placement_path = Path(cfg.shared.run_dir) / PLACEMENT_FILE
         resources = self.engine_resources()
         urls = []
         for i in range(cfg.engine.count):
@@ -373,7 +378,15 @@ class RayLauncher:
         except (self.ray.exceptions.RayError, ConfigError) as exc:
             return ExitedProcess(LOST, f"could not be started on the Ray cluster: {_first_line(exc)}")
         log.info("started %s on %s (pid %d), log %s", spec.name, where["ip"], pid, log_path)
+        self._record(spec.name, where, pid)
         return RemoteProcess(self.ray, actor, pid, where, spec.argv)
+
+    def _record(self, name: str, where: dict[str, Any], pid: int) -> None:
+        self.placement[name] = {**where, "pid": pid, "started": time.time()}
+        if self.placement_path is not None:
+            tmp = self.placement_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.placement, indent=2) + "\n")
+            os.replace(tmp, self.placement_path)
 
     def _actor_for(self, name: str) -> Any:
         """The role's actor: an engine keeps its actor (its node and resources) while it lives and goes back to its
@@ -447,6 +460,7 @@ class RayLauncher:
                 path = log_path if rank == 0 else log_path.with_name(f"{spec.name}-rank{rank}.log")
                 pid = self.ray.get(actor.start.remote(spec.argv, env, str(path), self.cwd), timeout=60)
                 log.info("started learner rank %d on %s (pid %d), log %s", rank, where["ip"], pid, path)
+                self._record(f"learner-rank-{rank}", where, pid)
                 ranks.append(RemoteProcess(self.ray, actor, pid, where, spec.argv))
         except self.ray.exceptions.RayError as exc:
             return ExitedProcess(

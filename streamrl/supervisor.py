@@ -193,8 +193,8 @@ class Supervisor:
 
     def watch(self, on_tick: Callable[[], None] | None = None, stop_at_end: bool = True) -> int:
         """Supervise until a stop is requested, a finishing child exits 0, or a child's restart budget is spent;
-        then stop all (unless ``stop_at_end`` is False and the run finished cleanly: the caller still needs the
-        others).
+        then stop all (unless ``stop_at_end`` is False: the caller still needs the others, to evaluate the final
+        policy or to read the run's totals from Redis, and stops them itself).
 
         Returns 0 for a clean stop and 1 when a child failed (``self.failure`` says which and why).
         """
@@ -208,7 +208,7 @@ class Supervisor:
         except ChildFailed as exc:
             self.failure = str(exc)
         finally:
-            if stop_at_end or self.failure or self.stop_requested.is_set():
+            if stop_at_end:
                 self.stop_all()
         if self.failure:
             log.error("%s", self.failure)
