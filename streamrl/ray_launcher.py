@@ -446,6 +446,10 @@ class RayLauncher:
                 [a.where.remote() for a in actors], timeout=self.config.ray.placement_timeout_s
             )
             master_port = self.ray.get(actors[0].free_port.remote())
+            argv = list(spec.argv)
+            if self.multi_host and self.config.weight_sync.master_address is None:
+                # engines reach rank 0 for the weight-update group at the address Ray knows its node by
+                argv.append(f"--weight_sync.master_address={wheres[0]['ip']}")
             ranks = []
             for rank, (actor, where) in enumerate(zip(actors, wheres, strict=True)):
                 env = {
@@ -458,10 +462,10 @@ class RayLauncher:
                     "MASTER_PORT": str(master_port),
                 }
                 path = log_path if rank == 0 else log_path.with_name(f"{spec.name}-rank{rank}.log")
-                pid = self.ray.get(actor.start.remote(spec.argv, env, str(path), self.cwd), timeout=60)
+                pid = self.ray.get(actor.start.remote(argv, env, str(path), self.cwd), timeout=60)
                 log.info("started learner rank %d on %s (pid %d), log %s", rank, where["ip"], pid, path)
                 self._record(f"learner-rank-{rank}", where, pid)
-                ranks.append(RemoteProcess(self.ray, actor, pid, where, spec.argv))
+                ranks.append(RemoteProcess(self.ray, actor, pid, where, argv))
         except self.ray.exceptions.RayError as exc:
             return ExitedProcess(
                 LOST, f"its ranks could not be started on the Ray cluster: {_first_line(exc)}"
