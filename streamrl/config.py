@@ -70,8 +70,8 @@ class DashboardConfig(Section):
 
 
 class UpConfig(Section):
-    """``streamrl up``: the single-node supervisor of every role. A role that dies is restarted; the run stops
-    only when a role died more often than its budget within ``restart_window_s``."""
+    """``streamrl up``: the supervisor of every role, on this node or on a Ray cluster (``launcher``). A role that
+    dies is restarted; the run stops only when a role died more often than its budget within ``restart_window_s``."""
 
     grace_s: float = Field(40.0, gt=0, description="SIGTERM grace per role before it is killed, seconds.")
     engine_restarts: int = Field(
@@ -180,7 +180,7 @@ class StreamRLConfig(Section):
     archive: ArchiveConfig = Field(
         default_factory=ArchiveConfig, description="The trajectory archive (Parquet, every sample)."
     )
-    up: UpConfig = Field(default_factory=UpConfig, description="The single-node supervisor (streamrl up).")
+    up: UpConfig = Field(default_factory=UpConfig, description="The supervisor of every role (streamrl up).")
     ray: RayConfig = Field(default_factory=RayConfig, description="up's Ray launcher (up.launcher = ray).")
 
     @model_validator(mode="after")

@@ -10,6 +10,9 @@ role drains and checkpoints). Every role is restarted when it dies: Redis on its
 reconnect), an engine (the learner brings it back to the current policy before it serves rollouts), the learner
 from its last durable checkpoint, the rollout workers, the evaluator and the dashboard.
 
+With ``--up.launcher=ray`` the same roles, the same commands and the same supervision run on a Ray cluster:
+streamrl.ray_launcher places each role process (docs/cluster.md) and hands the supervisor a handle on it.
+
 ``streamrl up --resume RUN_DIR`` continues a stopped run from its checkpoint and its stream, with no sample
 trained twice. One ``up`` at a time holds a run directory (``RUN_DIR/up.lock``); processes of an earlier ``up``
 of the same directory that are still alive (listed in ``RUN_DIR/processes.json``) are stopped first.

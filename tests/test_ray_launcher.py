@@ -2,18 +2,19 @@
 head and a worker node, each its own raylet with its own resources), and the learner's check that every rank
 sees the same checkpoint directory.
 
-The cluster's custom resources force the placement: the engines, the rollout worker and the evaluator need
-``head_slot`` (only the head has it), and each learner rank needs one ``learner_slot`` (one on each node), so the
-two ranks of the learner's placement group run on different nodes. A run of a few steps ends with summary.json
-and an audit with nothing lost. Then, mid-run, the worker node is removed (its raylet, its actors and, with
-them, learner rank 1): the run stops cleanly, naming the learner, and ``up --resume`` on the cluster with a new
-worker node finishes it with every group accounted for and none trained twice.
+The cluster's custom resources force the placement: the engine needs ``head_slot`` (only the head has it), and
+each learner rank one ``learner_slot`` (one on each node), so the two ranks of the learner's placement group run
+on different nodes. Early in the run the rollout worker's process is killed and restarted through its actor.
+Then the worker node is removed mid-run (its raylet, its actors and, with them, learner rank 1): the run stops
+cleanly, naming the learner, and ``up --resume`` on the cluster with a new worker node finishes it, with every
+group accounted for and none trained twice.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -143,9 +144,17 @@ def test_up_on_a_two_node_ray_cluster_survives_a_node_loss_by_resuming(
     worker = add_worker(cluster)
     proc = start(up_args(run_dir, warm_model, cluster.address))
     deadline = time.monotonic() + 300
-    while learner_step(run_dir) < KILL_AT:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
-        time.sleep(0.5)
+
+    def wait_for_step(step: int) -> None:
+        while learner_step(run_dir) < step:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
+            time.sleep(0.5)
+
+    # a role process that dies is restarted through its actor, as the local supervisor restarts its child
+    wait_for_step(1)
+    killed = json.loads((run_dir / "placement.json").read_text())["rollout-0"]["pid"]
+    os.kill(killed, signal.SIGKILL)
+    wait_for_step(KILL_AT)
     # the learner's two ranks run on the two nodes (the launcher asked each rank's actor where it runs)
     nodes = json.loads((run_dir / "placement.json").read_text())
     assert len({nodes[f"learner-rank-{r}"]["node_id"] for r in range(2)}) == 2, nodes
@@ -158,6 +167,7 @@ def test_up_on_a_two_node_ray_cluster_survives_a_node_loss_by_resuming(
     # a learner failure stops the run cleanly: the reason named, every role stopped, summary.json written
     assert proc.returncode == 1, out[-4000:]
     assert "stopped because learner" in out and "learner rank 1" in out, out[-4000:]
+    assert f"rollout-0 (pid {killed}) died with signal 9; restarting it" in out, out[-4000:]
     stopped = json.loads((run_dir / "summary.json").read_text())
     assert KILL_AT <= stopped["steps"] < STEPS, stopped
     assert stopped["audit"]["lost"] == 0 and stopped["audit"]["trained_twice"] == 0, stopped["audit"]
