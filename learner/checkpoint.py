@@ -235,3 +235,56 @@ def export_hf(model: nn.Module, source_dir: Path, out_dir: Path) -> Path | None:
 def _tied(model: nn.Module) -> bool:
     config = getattr(model, "config", None)
     return bool(getattr(config, "tie_word_embeddings", False))
+
+
+SHARED_CHECK_FILE = ".shared-check"  # rank 0's nonce, read back by every rank at start
+
+
+class CheckpointDirNotShared(RuntimeError):
+    """A learner rank does not see the checkpoint directory rank 0 writes: checkpoints would be incomplete."""
+
+
+def check_shared_directory(path: Path, rank: int, world_size: int) -> None:
+    """Every rank of the process group sees the same ``path``: rank 0 writes a fresh nonce file there, every rank
+    reads it back, and all learn together whether each one saw it (so no rank is left waiting in a collective).
+    Raises :class:`CheckpointDirNotShared` on every rank, naming each rank that did not, when one did not.
+
+    Checkpoints are written by all ranks into one directory (DCP shards, per-rank RNG state) and read back by all
+    after a restart, so a rank on a node with its own copy of the path would write checkpoints no one can load.
+    """
+    import socket
+    import uuid
+
+    host = socket.gethostname()
+    check = Path(path) / SHARED_CHECK_FILE
+    # rank 0's nonce, path and host, which every rank's view is measured against
+    origin = [(uuid.uuid4().hex, str(check), host) if rank == 0 else None]
+    if world_size > 1:
+        dist.broadcast_object_list(origin, src=0)
+    nonce, origin_path, origin_host = origin[0]
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = check.with_name(f"{SHARED_CHECK_FILE}.tmp")
+        tmp.write_text(f"{nonce}\n")
+        with open(tmp) as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, check)
+    if world_size > 1:
+        dist.barrier()
+    try:
+        seen = check.read_text().strip()
+    except OSError as exc:
+        seen = f"nothing ({exc.strerror})"
+    mine = (rank, host, str(check), seen == nonce, seen)
+    views: list[Any] = [mine]
+    if world_size > 1:
+        views = [None] * world_size
+        dist.all_gather_object(views, mine)
+    blind = [v for v in views if not v[3]]
+    if blind:
+        who = "; ".join(f"rank {r} on {h} read {s[:40]!r} from {p}" for r, h, p, _, s in blind)
+        raise CheckpointDirNotShared(
+            f"the learner's checkpoint directory {Path(origin_path).parent} is not shared by every rank: rank 0 "
+            f"on {origin_host} wrote {nonce!r} to {origin_path}, but {who}. Every learner rank must see the "
+            "same storage (a shared filesystem mounted at the same path on every node: docs/cluster.md)"
+        )

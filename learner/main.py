@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from broker.config import BrokerConfig, SharedConfig
 from broker.configlib import ConfigError
@@ -16,6 +17,7 @@ from broker.cpus import pin_to_cpus
 from broker.discovery import resolve_redis_url
 from broker.lifecycle import die_with_parent
 from broker.server import free_port
+from learner.checkpoint import CheckpointDirNotShared, check_shared_directory
 from learner.config import LearnerConfig
 from learner.distributed import init_distributed
 from weight_sync.config import WeightSyncConfig
@@ -43,6 +45,12 @@ def run_rank(cfg: LearnerSections) -> int:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s learner[{info.rank}] %(levelname)s: %(message)s"
     )
+    try:  # before anything is trained: a checkpoint only some ranks can see is no checkpoint
+        check_shared_directory(Path(cfg.shared.run_dir) / "checkpoints", info.rank, info.world_size)
+    except CheckpointDirNotShared as exc:
+        log.error("%s", exc)
+        print(f"streamrl learner: {exc}", file=sys.stderr, flush=True)
+        os._exit(2)  # a configuration error (CONFIG_ERROR_EXIT): restarting cannot help
     url = resolve_redis_url(cfg.shared, wait_s=30)
     ws = cfg.weight_sync
     if ws.engines == "none":
@@ -109,7 +117,7 @@ def spawn_ranks(cfg: LearnerSections, rank_command: list[str]) -> int:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
-            return 1
+            return 2 if code == 2 else 1  # a configuration a rank refused stays one: restarting cannot help
         time.sleep(0.2)
 
 

@@ -169,7 +169,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "dashboard": Command("serve the live dashboard", ("shared", "dashboard", "broker"), _run_dashboard),
     "up": Command(
-        "start every role on this node under one supervisor",
+        "start every role under one supervisor: on this node, or on a Ray cluster (up.launcher)",
         tuple(StreamRLConfig.model_fields),
         _run_up,
     ),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -70,8 +70,8 @@ class DashboardConfig(Section):
 
 
 class UpConfig(Section):
-    """``streamrl up``: the single-node supervisor of every role. A role that dies is restarted; the run stops
-    only when a role died more often than its budget within ``restart_window_s``."""
+    """``streamrl up``: the supervisor of every role, on this node or on a Ray cluster (``launcher``). A role that
+    dies is restarted; the run stops only when a role died more often than its budget within ``restart_window_s``."""
 
     grace_s: float = Field(40.0, gt=0, description="SIGTERM grace per role before it is killed, seconds.")
     engine_restarts: int = Field(
@@ -106,9 +106,56 @@ class UpConfig(Section):
         description="Wait before restarting a role that died; doubles with each death in the window (max 30 s).",
     )
     status_interval_s: float = Field(10.0, gt=0, description="Seconds between two live status lines.")
+    launcher: Literal["local", "ray"] = Field(
+        "local",
+        description="Where the roles run: 'local' (child processes of up) or 'ray' (Ray actors: [ray]).",
+    )
     allow_changed_run: bool = Field(
         False,
         description="Resume a run whose model or grader changed since its manifest.json (this up only).",
+    )
+
+
+class RayConfig(Section):
+    """``streamrl up --up.launcher=ray`` (streamrl.ray_launcher): each role the same process as under the local
+    supervisor, started by a Ray actor on a node with the role's resources (docs/cluster.md). Empty resources
+    mean: GPUs on a cluster that has them, else one CPU."""
+
+    address: str | None = Field(
+        None,
+        description="Ray cluster to join ('auto', host:port, ray://...); unset: join the local one, else start it.",
+    )
+    namespace: str = Field("streamrl", description="Ray namespace of the run's actors.")
+    local_num_cpus: int | None = Field(
+        None, ge=1, description="CPUs of a Ray cluster up starts here (no address, none running); unset: all."
+    )
+    local_object_store_mb: int = Field(
+        200, ge=75, description="Object store of a Ray cluster up starts here, MiB (roles pass no objects)."
+    )
+    engine_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description='Ray resources of each engine, e.g. {"GPU": 1}; empty: engine.tp_size GPUs, else 1 CPU.',
+    )
+    learner_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray resources of each learner rank (one bundle of its placement group); empty: 1 GPU or CPU.",
+    )
+    learner_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="Placement-group strategy of the learner ranks (STRICT_SPREAD: one rank per node).",
+    )
+    rollout_resources: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 1.0}, description="Ray resources of each rollout worker."
+    )
+    eval_resources: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 1.0}, description="Ray resources of the evaluator."
+    )
+    archive_resources: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 0.5},
+        description="Ray resources of the archiver (Redis and the dashboard run on the head node).",
+    )
+    placement_timeout_s: float = Field(
+        300.0, gt=0, description="How long a role may wait for its resources before its start fails, seconds."
     )
 
 
@@ -133,7 +180,8 @@ class StreamRLConfig(Section):
     archive: ArchiveConfig = Field(
         default_factory=ArchiveConfig, description="The trajectory archive (Parquet, every sample)."
     )
-    up: UpConfig = Field(default_factory=UpConfig, description="The single-node supervisor (streamrl up).")
+    up: UpConfig = Field(default_factory=UpConfig, description="The supervisor of every role (streamrl up).")
+    ray: RayConfig = Field(default_factory=RayConfig, description="up's Ray launcher (up.launcher = ray).")
 
     @model_validator(mode="after")
     def _check_cross_role_rules(self) -> StreamRLConfig:

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from broker.lifecycle import ProcessRecord, die_with_parent, write_records
 
@@ -57,10 +57,28 @@ class ChildSpec:
     essential: bool = True
 
 
+class Process(Protocol):
+    """What the supervisor needs of a child process: a local ``subprocess.Popen``, or a launcher's handle on a
+    process elsewhere (streamrl.ray_launcher) with the same methods. ``exit_note`` (optional) adds to the message
+    of its death, e.g. that its node was lost."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def send_signal(self, sig: int) -> None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def kill(self) -> None: ...
+
+
+# Starts one child: (its spec, the path of its log) -> its process.
+Spawner = Callable[[ChildSpec, Path], Process]
+
+
 @dataclass
 class ChildState:
     spec: ChildSpec
-    process: subprocess.Popen[bytes]
+    process: Process
     log_path: Path
     restarts: int = 0  # restarts so far, in all
     deaths: deque[float] = field(default_factory=deque)  # monotonic times of the deaths inside the window
@@ -88,6 +106,7 @@ class Supervisor:
         restart_delay_s: float = 1.0,
         records_path: Path | None = None,
         say: Callable[[str], None] | None = None,
+        spawn: Spawner | None = None,
     ) -> None:
         self.log_dir = Path(log_dir)
         self.grace_s = grace_s
@@ -96,13 +115,16 @@ class Supervisor:
         self.restart_delay_s = restart_delay_s
         self.records_path = records_path
         self.say = say or (lambda message: None)  # restarts are news for the user, not only the log
+        self.spawn = spawn  # None: a local child process (the single-node supervisor)
         self.children: list[ChildState] = []
         self.stop_requested = threading.Event()
         self.failure: str | None = None
 
-    def _spawn(self, spec: ChildSpec) -> subprocess.Popen[bytes]:
+    def _spawn(self, spec: ChildSpec) -> Process:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{spec.name}.log"
+        if self.spawn is not None:
+            return self.spawn(spec, log_path)
         with open(log_path, "ab") as fh:
             process = subprocess.Popen(
                 spec.argv,
@@ -120,7 +142,12 @@ class Supervisor:
         if self.records_path is None:
             return
         records = [ProcessRecord.of("up", os.getpid())]
-        records += [ProcessRecord.of(c.spec.name, c.process.pid) for c in self.children]
+        # only local processes: a pid on another node means nothing here
+        records += [
+            ProcessRecord.of(c.spec.name, c.process.pid)
+            for c in self.children
+            if isinstance(c.process, subprocess.Popen)
+        ]
         write_records(self.records_path, records)
 
     def _wait_ready(self, state: ChildState) -> None:
@@ -145,6 +172,8 @@ class Supervisor:
     def _death_message(self, state: ChildState) -> str:
         code = state.process.returncode
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        note = getattr(state.process, "exit_note", None)
+        how += f" ({note})" if note else ""
         return f"{state.spec.name} (pid {state.process.pid}) died with {how}; last lines of {state.log_path}:\n{tail(state.log_path)}"
 
     def start(self, spec: ChildSpec) -> ChildState:
@@ -164,8 +193,8 @@ class Supervisor:
 
     def watch(self, on_tick: Callable[[], None] | None = None, stop_at_end: bool = True) -> int:
         """Supervise until a stop is requested, a finishing child exits 0, or a child's restart budget is spent;
-        then stop all (unless ``stop_at_end`` is False and the run finished cleanly: the caller still needs the
-        others).
+        then stop all (unless ``stop_at_end`` is False: the caller still needs the others, to evaluate the final
+        policy or to read the run's totals from Redis, and stops them itself).
 
         Returns 0 for a clean stop and 1 when a child failed (``self.failure`` says which and why).
         """
@@ -179,7 +208,7 @@ class Supervisor:
         except ChildFailed as exc:
             self.failure = str(exc)
         finally:
-            if stop_at_end or self.failure or self.stop_requested.is_set():
+            if stop_at_end:
                 self.stop_all()
         if self.failure:
             log.error("%s", self.failure)
@@ -232,9 +261,11 @@ class Supervisor:
             state.done = True
             return
         delay = min(MAX_RESTART_DELAY_S, self.restart_delay_s * 2 ** (recent - 1))
+        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        note = getattr(state.process, "exit_note", None)
+        how += f" ({note})" if note else ""
         message = (
-            f"{spec.name} (pid {state.process.pid}) died with "
-            f"{f'signal {-code}' if code < 0 else f'exit code {code}'}; restarting it in {delay:.1f} s "
+            f"{spec.name} (pid {state.process.pid}) died with {how}; restarting it in {delay:.1f} s "
             f"({recent} of {spec.max_restarts} restarts in {self.restart_window_s:.0f} s)"
         )
         log.warning("%s; last lines of its log:\n%s", message, tail(state.log_path))

@@ -10,6 +10,9 @@ role drains and checkpoints). Every role is restarted when it dies: Redis on its
 reconnect), an engine (the learner brings it back to the current policy before it serves rollouts), the learner
 from its last durable checkpoint, the rollout workers, the evaluator and the dashboard.
 
+With ``--up.launcher=ray`` the same roles, the same commands and the same supervision run on a Ray cluster:
+streamrl.ray_launcher places each role process (docs/cluster.md) and hands the supervisor a handle on it.
+
 ``streamrl up --resume RUN_DIR`` continues a stopped run from its checkpoint and its stream, with no sample
 trained twice. One ``up`` at a time holds a run directory (``RUN_DIR/up.lock``); processes of an earlier ``up``
 of the same directory that are still alive (listed in ``RUN_DIR/processes.json``) are stopped first.
@@ -32,7 +35,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import redis
 
@@ -46,6 +49,9 @@ from streamrl import manifest
 from streamrl.config import StreamRLConfig
 from streamrl.status import StatusReader
 from streamrl.supervisor import ChildSpec, Supervisor
+
+if TYPE_CHECKING:
+    from streamrl.ray_launcher import RayLauncher
 
 log = logging.getLogger("streamrl.up")
 
@@ -307,7 +313,23 @@ def run_up(config: StreamRLConfig) -> int:
 def _run_up(config: StreamRLConfig) -> int:
     started = time.time()
     stop_earlier_processes(config)
+    if config.up.launcher == "local":
+        return _supervise(config, started, None)
+    from streamrl.ray_launcher import RayLauncher
+
+    launcher = RayLauncher(config)
+    try:
+        return _supervise(config, started, launcher)
+    finally:
+        launcher.shutdown()
+
+
+def _supervise(config: StreamRLConfig, started: float, launcher: RayLauncher | None) -> int:
+    """Start every role in order and watch them: as local child processes (``launcher`` None) or through the Ray
+    launcher (streamrl.ray_launcher), which places each role and hands the supervisor a handle on it."""
     cfg = resolve(config)
+    if launcher is not None:
+        cfg = launcher.place(cfg)  # the engines' nodes decide their URLs, which every role reads
     run_manifest = start_manifest(cfg)  # refuses a resume whose model or grader changed, before anything runs
     write_config(cfg)
     run_dir = cfg.shared.run_dir
@@ -319,9 +341,12 @@ def _run_up(config: StreamRLConfig) -> int:
         restart_delay_s=cfg.up.restart_delay_s,
         records_path=run_dir / PROCESSES_FILE,
         say=lambda message: print(f"streamrl up: {message}", flush=True),
+        spawn=None if launcher is None else launcher.spawn,
     )
     sup.install_signal_handlers()
     before, after = child_specs(cfg, run_dir / "config.toml")
+    if launcher is not None:
+        before, after = launcher.adapt(before, after)
     status = StatusReader(cfg)
     summary: dict[str, Any] = {"run_dir": str(run_dir)}
     code = 1
