@@ -88,6 +88,11 @@ ARCHIVE_SCHEMA = pa.schema(
         ("engine_id", pa.string()),
         ("timings", _NAMED),
         ("num_resubmits", pa.int32()),
+        # multi-turn episodes (record schema v2): [start, end) of each model turn in completion_ids, and the
+        # episode's counters (turns, tool_calls, tool_errors, observation_tokens, env_reward); empty when single-turn
+        ("turn_bounds", pa.list_(pa.int32())),
+        ("num_turns", pa.int32()),
+        ("episode", _NAMED),
         # what became of the group: trained | dropped | dead_lettered | pending (pending.parquet only)
         ("outcome", pa.string()),
         ("outcome_reason", pa.string()),
@@ -182,6 +187,9 @@ def sample_rows(
                 "engine_id": s.engine_id,
                 "timings": _named(s.timings),
                 "num_resubmits": s.num_resubmits,
+                "turn_bounds": s.turn_bounds.tolist(),
+                "num_turns": max(len(s.turn_bounds) // 2, 1),
+                "episode": _named(s.episode),
                 **_outcome_fields(outcome, s.versions),
             }  # fmt: skip
         )

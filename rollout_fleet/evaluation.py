@@ -9,6 +9,7 @@ are ``greedy_accuracy``): correctness only, whatever the task's RL reward adds f
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,25 +38,45 @@ def generate(
     Sampling draws from softmax(logits / temperature) with a generator seeded by ``seed``, so results are
     reproducible for a given batch layout.
     """
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    return generate_ids(model, tokenizer, encoded, max_new_tokens, temperature, seed, batch_size)
+
+
+@torch.inference_mode()
+def generate_ids(
+    model: Any,
+    tokenizer: Any,
+    prompt_ids: list[list[int]],
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    temperature: float = 0.0,
+    seed: int = 0,
+    batch_size: int = 256,
+    stop_token_ids: Sequence[int] = (),
+) -> list[list[int]]:
+    """:func:`generate` from token ids; a row also stops at any of ``stop_token_ids``, which (unlike EOS) stays
+    in its output, as an engine's stop token does (a multi-turn episode's end-of-turn marker)."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     out: list[list[int]] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        out.extend(_generate_batch(model, tokenizer, chunk, max_new_tokens, temperature, generator))
+    for start in range(0, len(prompt_ids), batch_size):
+        chunk = prompt_ids[start : start + batch_size]
+        out.extend(
+            _generate_batch(model, tokenizer, chunk, max_new_tokens, temperature, generator, stop_token_ids)
+        )
     return out
 
 
 def _generate_batch(
     model: Any,
     tokenizer: Any,
-    prompts: list[str],
+    encoded: list[list[int]],
     max_new_tokens: int,
     temperature: float,
     generator: torch.Generator,
+    stop_token_ids: Sequence[int] = (),
 ) -> list[list[int]]:
     device = next(model.parameters()).device
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    stops = torch.tensor(sorted({eos, *stop_token_ids}), device=device)
     width = max(len(ids) for ids in encoded)
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], device=device)  # (B, L)
     mask = torch.tensor(
@@ -66,16 +87,16 @@ def _generate_batch(
     result = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
     cache, logits = _cache_of(result), result.logits[:, -1]
     next_pos = positions[:, -1:] + 1  # (A, 1) for the A rows still in the batch
-    rows = list(range(len(prompts)))  # original prompt of each row in the batch
-    outputs: list[list[int]] = [[] for _ in prompts]
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # (A,) emitted EOS, awaiting removal
+    rows = list(range(len(encoded)))  # original prompt of each row in the batch
+    outputs: list[list[int]] = [[] for _ in encoded]
+    done = torch.zeros(len(encoded), dtype=torch.bool, device=device)  # (A,) emitted EOS, awaiting removal
     for _ in range(max_new_tokens):
         token = _pick(logits.float(), temperature, generator).to(device)  # (A,)
         token = torch.where(done, torch.full_like(token, pad), token)
         for row, (tok, finished) in enumerate(zip(token.tolist(), done.tolist(), strict=True)):
             if not finished:
                 outputs[rows[row]].append(tok)
-        done |= token == eos
+        done |= torch.isin(token, stops)
         if bool(done.all()):
             break
         if int(done.sum()) * 4 >= len(rows):  # drop finished rows (cache included) once a quarter is done

@@ -333,7 +333,12 @@ def _build(
 
 def warm_model_for_task(task: str) -> Path:
     """The cached warm-started model for a task (what ``streamrl up`` serves when no model is given): the
-    long-context one for ``long_multiplication``, the arithmetic one for every other task."""
+    long-context one for ``long_multiplication``, the tool-format one for ``tool_arithmetic``, the arithmetic
+    one for every other task."""
+    if task == "tool_arithmetic":
+        from rollout_fleet.tool_warmstart import init_tool_warm_model
+
+        return init_tool_warm_model()
     if task == "long_multiplication":
         from rollout_fleet.long_warmstart import init_long_warm_model
 

@@ -98,6 +98,10 @@ def rollout_point(step: int, engine_id: str) -> dict[str, float]:
         "groups_in_flight": 16.0,
         "wait_capacity_ratio": 0.05,
         "policy_version": float(step - 1),
+        "episodes": 10.0 * step,  # a multi-turn task's counters (cumulative, as the worker writes them)
+        "turns": 18.0 * step,
+        "tool_calls": 8.0 * step,
+        "tool_errors": float(step),
         f"engine/{engine_id}/outstanding": 3.0,
         f"engine/{engine_id}/healthy": 1.0,
     }
@@ -156,6 +160,7 @@ async def test_page_shows_the_runs_values_and_updates_live(browser, engine_url: 
         assert (tile(state, "backlog"), tile(state, "pending"), tile(state, "lag")) == (6, 4, 2)
         assert tile(state, "idle-learner") == 0.2 and tile(state, "idle-rollout") == 0.05
         assert sorted(state["pills"]) == ["eval", "learner", "rollout"]  # not the other run's
+        assert tile(state, "turns") == pytest.approx(1.8) and tile(state, "tool-calls") == pytest.approx(0.8)
 
         charts = state["charts"]
         assert charts["chart-reward"]["lines"]["reward_mean"] == [STEPS, last["reward_mean"]]
@@ -240,6 +245,7 @@ async def test_rollout_workers_with_a_role_each_add_up_before_the_learner_starts
         )
         assert tile(state, "generated") == 500.0 and tile(state, "idle-rollout") == 0.375
         assert state["tiles"]["stat-step"] == [None, "-"]  # no learner yet: shown as absent, not as 0
+        assert state["tiles"]["stat-turns"] == [None, "-"]  # a single-turn task: no episode counters
         lines = state["charts"]["chart-throughput"]["lines"]
         assert lines["generated rollout-0"] == [1, 300.0] and lines["generated rollout-1"] == [1, 200.0]
     finally:

@@ -135,6 +135,21 @@ def test_episode_counters_must_be_finite_floats() -> None:
         group.validate()
 
 
+def test_the_archive_keeps_turns_and_episode_counters(tmp_path) -> None:
+    import pyarrow.parquet as pq
+
+    from broker.archive import TokenText, sample_rows, write_rows
+
+    rows = sample_rows(fixed_record(), "1-0", None, TokenText(None), 0.0)
+    write_rows(tmp_path / "part.parquet", rows)
+    table = pq.read_table(tmp_path / "part.parquet").to_pylist()
+    assert [r["turn_bounds"] for r in table] == [[0, 3, 5, 7], []]
+    assert [r["num_turns"] for r in table] == [2, 1]
+    counters = {c["name"]: c["value"] for c in table[0]["episode"]}
+    assert counters == {"turns": 2.0, "tool_calls": 1.0, "tool_errors": 0.0, "observation_tokens": 2.0}
+    assert table[0]["loss_mask"] == [1, 1, 1, 0, 0, 1, 1] and table[1]["episode"] == []
+
+
 def write_fixture() -> None:
     FIXTURE.write_bytes(encode(fixed_record()))
     print(f"wrote {FIXTURE} ({FIXTURE.stat().st_size} bytes)")

@@ -237,7 +237,17 @@ const TILES = [
   { id: "lag", label: "undelivered (lag)", get: () => brokerSample("lag") },
   { id: "idle-learner", label: "learner idle ratio", get: () => value("learner", K.idle) },
   { id: "idle-rollout", label: "rollout idle ratio", get: () => rolloutTotal(K.rolloutIdle, true) },
+  // multi-turn tasks only: the workers' episode counters (a single-turn run shows "-")
+  { id: "turns", label: "turns / episode", get: () => perEpisode("turns"),
+    sub: () => { const n = rolloutTotal(["episodes"]); return n ? `${fmt(n)} episodes` : ""; } },
+  { id: "tool-calls", label: "tool calls / episode", get: () => perEpisode("tool_calls"),
+    sub: () => { const c = rolloutTotal(["tool_calls"]); return c ? `${fmt(rolloutTotal(["tool_errors"]) || 0)} of ${fmt(c)} failed` : ""; } },
 ];
+
+function perEpisode(key) {
+  const episodes = rolloutTotal(["episodes"]);
+  return episodes ? (rolloutTotal([key]) || 0) / episodes : null;
+}
 
 function inFlightSub() {
   const n = rolloutTotal(K.inFlight);

@@ -1,0 +1,159 @@
+"""Agentic rollouts: RL on the multi-turn calculator task (``tool_arithmetic``), and what an episode costs.
+
+    python -m benchmarks.agentic --quick --out FILE      # one seed
+    python -m benchmarks.agentic --out FILE              # three seeds
+
+The same ``streamrl up`` (embedded default, eta 1) runs ``--rollout.task.name=tool_arithmetic`` from the tool
+warm start (rollout_fleet.tool_warmstart: it knows the call format but calls the tool on a minority of the
+problems that need it) and, for the cost comparison, the single-turn ``arithmetic`` task from its own warm start,
+the same number of steps. Held-out episodes are run in process on the warm start (before) and on the run's
+final export (after; ``RUN_DIR/export/latest``, the final policy), greedy and sampled at T = 1, through the
+worker's episode runner: accuracy overall and on the problems that need the tool, tool-call rate, tool accuracy
+(the answer right after a tool call), turns per episode and the share of tokens masked. The run's own evaluator
+(through the engine) is reported beside them. ``seconds_per_step`` is the learner's loop (wait + train) per
+step; the ratio is multi-turn over single-turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.async_vs_sync import run_up
+from benchmarks.common import write_result
+from benchmarks.staleness_ablation import cell_stats
+
+STEPS = 60
+ETA = 1
+HELDOUT = 1000
+
+
+def heldout_metrics(model_dir: Path, problems: int) -> dict[str, Any]:
+    """In-process held-out episode metrics (greedy and sampled) of a model directory."""
+    from rollout_fleet.evaluation import load_model
+    from rollout_fleet.tasks import TEST
+    from rollout_fleet.tasks.tool_arithmetic import ToolArithmeticTask
+    from rollout_fleet.tool_warmstart import evaluate_episodes
+
+    model, tokenizer = load_model(model_dir)
+    task = ToolArithmeticTask(heldout_size=problems, tokenizer=tokenizer)
+    prompts = [task.make_prompt(i, TEST) for i in range(problems)]
+    return evaluate_episodes(model, tokenizer, task, prompts)
+
+
+def seconds_per_step(summary: dict[str, Any]) -> float:
+    return (summary["learner_wait_seconds"] + summary["learner_train_seconds"]) / max(summary["steps"], 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="one seed")
+    parser.add_argument("--out", type=Path, required=True, help="result JSON")
+    parser.add_argument("--seeds", type=int, help="seeds (1 quick, 3 full)")
+    parser.add_argument("--steps", type=int, default=STEPS, help=f"learner steps per run (default {STEPS})")
+    parser.add_argument("--heldout", type=int, default=HELDOUT, help=f"held-out problems (default {HELDOUT})")
+    parser.add_argument("--work", type=Path, default=Path("runs/agentic"), help="run directories")
+    parser.add_argument("--extra", action="append", default=[], help="one more override for the tool runs")
+    args = parser.parse_args(argv)
+    seeds = args.seeds or (1 if args.quick else 3)
+    from rollout_fleet.tool_warmstart import init_tool_warm_model
+    from rollout_fleet.warmstart import init_warm_model
+
+    tool_model, plain_model = init_tool_warm_model(), init_warm_model()
+    print(f"held-out episodes of the warm start ({args.heldout} problems) ...", flush=True)
+    before = heldout_metrics(tool_model, args.heldout)
+    evaluator = [f"--rollout.task.heldout_size={min(args.heldout, 500)}", "--eval.heldout_prompts=500"]
+    runs = []
+    for seed in range(seeds):
+        tag = f"s{seed}-{len(list(args.work.glob(f's{seed}-*')))}"
+        print(f"seed {seed}: tool_arithmetic, {args.steps} steps ...", flush=True)
+        tool_dir = args.work / f"tool-{tag}"
+        tool = run_up(
+            tool_dir, ETA, args.steps, tool_model, seed, "shared",
+            ["--rollout.task.name=tool_arithmetic", *evaluator, *args.extra],
+        )  # fmt: skip
+        if not tool.get("eval_after_is_final_policy"):
+            raise RuntimeError(f"seed {seed}: the 'after' evaluation is not of the final policy: {tool}")
+        after = heldout_metrics(tool_dir / "export" / "latest", args.heldout)
+        print(f"seed {seed}: arithmetic (single-turn), {args.steps} steps ...", flush=True)
+        plain = run_up(args.work / f"plain-{tag}", ETA, args.steps, plain_model, seed, "shared", evaluator)
+        runs.append(
+            {
+                "seed": seed,
+                "after": after,
+                "evaluator_greedy_before": tool["eval_reward_before"],
+                "evaluator_greedy_after": tool["eval_reward_after"],
+                "samples_trained": tool["samples_trained"],
+                "mean_staleness": tool["mean_staleness"],
+                "seconds_per_step_multi_turn": seconds_per_step(tool),
+                "seconds_per_step_single_turn": seconds_per_step(plain),
+            }
+        )
+        g = after["greedy"]
+        print(
+            f"  held-out greedy {before['greedy']['accuracy']:.3f} -> {g['accuracy']:.3f} (needs_tool "
+            f"{before['greedy']['accuracy_needs_tool']:.3f} -> {g['accuracy_needs_tool']:.3f}); tool calls on "
+            f"needs_tool {before['greedy']['tool_call_rate_needs_tool']:.3f} -> {g['tool_call_rate_needs_tool']:.3f}",
+            flush=True,
+        )
+    after_greedy = cell_stats([r["after"]["greedy"]["accuracy"] for r in runs], args.heldout)
+    after_tool = cell_stats([r["after"]["greedy"]["accuracy_needs_tool"] for r in runs], args.heldout)
+    ratio = statistics.fmean(
+        r["seconds_per_step_multi_turn"] / r["seconds_per_step_single_turn"] for r in runs
+    )
+    gain = after_greedy["mean"] - before["greedy"]["accuracy"]
+    gain_tool = after_tool["mean"] - before["greedy"]["accuracy_needs_tool"]
+    doc = write_result(
+        args.out,
+        benchmark="agentic",
+        mode="quick" if args.quick else "full",
+        params={
+            "steps": args.steps,
+            "seeds": seeds,
+            "eta": ETA,
+            "heldout_problems": args.heldout,
+            "extra": args.extra,
+            "tool_model": str(tool_model),
+            "single_turn_model": str(plain_model),
+        },
+        results={
+            "before": before,
+            "runs": runs,
+            "after_greedy_accuracy": after_greedy,
+            "after_greedy_accuracy_needs_tool": after_tool,
+        },
+        targets={"heldout_gain": (">", 0.0), "heldout_gain_needs_tool": (">", 0.0)},
+        headline={
+            "heldout_greedy_before": before["greedy"]["accuracy"],
+            "heldout_greedy_after": after_greedy["mean"],
+            "heldout_gain": gain,
+            "heldout_gain_needs_tool": gain_tool,
+            "tool_call_rate_needs_tool_before": before["greedy"]["tool_call_rate_needs_tool"],
+            "tool_call_rate_needs_tool_after": statistics.fmean(
+                r["after"]["greedy"]["tool_call_rate_needs_tool"] for r in runs
+            ),
+            "tool_accuracy_after": statistics.fmean(r["after"]["sampled"]["tool_accuracy"] for r in runs),
+            "turns_per_episode_after": statistics.fmean(
+                r["after"]["sampled"]["turns_per_episode"] for r in runs
+            ),
+            "masked_token_share_after": statistics.fmean(
+                r["after"]["sampled"]["masked_token_share"] for r in runs
+            ),
+            "ratio_seconds_per_step_multi_vs_single_turn": ratio,
+        },
+        model=tool_model,
+    )
+    print(
+        f"held-out greedy {before['greedy']['accuracy']:.3f} -> {after_greedy['mean']:.3f} +- "
+        f"{after_greedy['se']:.3f}; s/step multi/single {ratio:.2f}; passed: {doc['passed']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
