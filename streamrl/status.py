@@ -106,8 +106,13 @@ class StatusReader:
             )
         except (redis.RedisError, OSError):
             first = None
+        try:
+            rollout = self.rollout_totals()
+        except (redis.RedisError, OSError):
+            rollout = {}
         return {
             **self.learner_aggregates(),
+            "episodes": episode_totals(rollout),
             "audit": self.audit(),
             **self.best_evaluation(),
             "first_request_at": float(first) if first else None,
@@ -182,6 +187,22 @@ class StatusReader:
             self._client.close()
 
 
+def episode_totals(rollout: dict[str, float]) -> dict[str, Any] | None:
+    """The rollout workers' multi-turn counters summed (None for a single-turn run): episodes, turns and tool
+    calls per episode, tool errors, observation tokens and why episodes ended."""
+    episodes = rollout.get("episodes", 0.0)
+    if not episodes:
+        return None
+    return {
+        "episodes": int(episodes),
+        "turns_per_episode": rollout.get("turns", 0.0) / episodes,
+        "tool_calls": int(rollout.get("tool_calls", 0.0)),
+        "tool_errors": int(rollout.get("tool_errors", 0.0)),
+        "observation_tokens": int(rollout.get("observation_tokens", 0.0)),
+        "ends": {k.split("/", 1)[1]: int(v) for k, v in rollout.items() if k.startswith("episode_end/")},
+    }
+
+
 def format_status(snap: dict[str, Any]) -> str:
     learner, ev, rollout = snap.get("learner", {}), snap.get("eval", {}), snap.get("rollout", {})
 
@@ -195,4 +216,17 @@ def format_status(snap: dict[str, Any]) -> str:
         f"staleness {f(learner, 'staleness/mean', '{:.2f}')} (max {f(learner, 'staleness/max', '{:.0f}')}) | "
         f"gen {f(rollout, 'tokens_per_s', '{:.0f}')} tok/s, "
         f"train {f(learner, 'trained_tokens_per_s', '{:.0f}')} tok/s | backlog {snap.get('backlog', 0)}"
+        + _episode_status(rollout)
+    )
+
+
+def _episode_status(rollout: dict[str, float]) -> str:
+    """`` | 1.8 turns/episode, 0.8 tool calls (2% failed)`` for a multi-turn run, empty otherwise."""
+    e = episode_totals(rollout)
+    if e is None:
+        return ""
+    failed = e["tool_errors"] / e["tool_calls"] if e["tool_calls"] else 0.0
+    return (
+        f" | {e['turns_per_episode']:.2f} turns/episode, {e['tool_calls'] / e['episodes']:.2f} tool calls "
+        f"({100 * failed:.0f}% failed)"
     )

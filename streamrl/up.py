@@ -433,6 +433,17 @@ def _eval_detail_line(s: dict[str, Any]) -> str:
     return f"  held-out pass@k after: {passes or 'n/a'}   scored with: {reward.get('scorer')} ({reward.get('source')})"
 
 
+def _episode_lines(e: dict[str, Any] | None) -> list[str]:
+    """A multi-turn run's episode counters (nothing for a single-turn run)."""
+    if not e:
+        return []
+    return [
+        f"  episodes: {e['episodes']}, {e['turns_per_episode']:.2f} turns each, {e['tool_calls']} tool calls "
+        f"({e['tool_errors']} failed), {e['observation_tokens']} observation tokens (masked), ended by "
+        + (", ".join(f"{k} {v}" for k, v in sorted(e["ends"].items())) or "-")
+    ]
+
+
 def format_summary(s: dict[str, Any]) -> str:
     def pct(x: Any) -> str:
         return "n/a" if x is None else f"{100 * x:.1f}%"
@@ -451,6 +462,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  samples trained: {s.get('samples_trained')}   dropped: {s.get('samples_dropped')} {dropped}",
         f"  output tokens per sample: {s.get('mean_output_tokens') or 0:.0f} mean, "
         f"{s.get('truncated_samples') or 0} cut at the output budget",
+        *_episode_lines(s.get("episodes")),
         _audit_line(s.get("audit")),
         f"  wall time: {s['wall_seconds']:.0f} s",
         f"  run directory: {s['run_dir']}",
