@@ -11,7 +11,8 @@ final export (after; ``RUN_DIR/export/latest``, the final policy), greedy and sa
 worker's episode runner: accuracy overall and on the problems that need the tool, tool-call rate, tool accuracy
 (the answer right after a tool call), turns per episode and the share of tokens masked. The run's own evaluator
 (through the engine) is reported beside them. ``seconds_per_step`` is the learner's loop (wait + train) per
-step; the ratio is multi-turn over single-turn.
+step; the ratio is multi-turn over single-turn, per step and per output token (the tasks' outputs differ in
+length: a calculator episode is about 12 tokens, an addition scratchpad about 29).
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
                 "mean_staleness": tool["mean_staleness"],
                 "seconds_per_step_multi_turn": seconds_per_step(tool),
                 "seconds_per_step_single_turn": seconds_per_step(plain),
+                # output tokens per sample (an episode's model and observation tokens): the two tasks' lengths
+                # differ, so the per-token cost is beside the per-step one
+                "output_tokens_per_sample_multi_turn": tool["mean_output_tokens"],
+                "output_tokens_per_sample_single_turn": plain["mean_output_tokens"],
             }
         )
         g = after["greedy"]
@@ -105,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     after_tool = cell_stats([r["after"]["greedy"]["accuracy_needs_tool"] for r in runs], args.heldout)
     ratio = statistics.fmean(
         r["seconds_per_step_multi_turn"] / r["seconds_per_step_single_turn"] for r in runs
+    )
+    per_token = statistics.fmean(
+        (r["seconds_per_step_multi_turn"] / r["output_tokens_per_sample_multi_turn"])
+        / (r["seconds_per_step_single_turn"] / r["output_tokens_per_sample_single_turn"])
+        for r in runs
     )
     gain = after_greedy["mean"] - before["greedy"]["accuracy"]
     gain_tool = after_tool["mean"] - before["greedy"]["accuracy_needs_tool"]
@@ -145,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["after"]["sampled"]["masked_token_share"] for r in runs
             ),
             "ratio_seconds_per_step_multi_vs_single_turn": ratio,
+            "ratio_seconds_per_output_token_multi_vs_single_turn": per_token,
         },
         model=tool_model,
     )
