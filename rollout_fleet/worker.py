@@ -434,7 +434,8 @@ class RolloutWorker:
         budget = self.budgets.max_tokens_per_turn if self.budgets else self.config.max_new_tokens
         first = (
             await self._first_requests(group_id, prompt_ids, budget)
-            if self.config.batch_group_requests and self.router.proxy is None  # an sglang-router takes no batch
+            if self.config.batch_group_requests
+            and self.router.proxy is None  # an sglang-router takes no batch
             else None
         )
         results: list[_SampleResult] = await _all_or_nothing(

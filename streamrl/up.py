@@ -132,7 +132,11 @@ def resolve(config: StreamRLConfig) -> StreamRLConfig:
     cfg.rollout.engine_urls = urls
     cfg.weight_sync.engine_urls = urls
     cfg.weight_sync.engine_ranks = engine_ranks(cfg.engine)
-    if cfg.rollout.router == "sglang" and not cfg.rollout.sglang_router_url and not cfg.rollout.sglang_router_port:
+    if (
+        cfg.rollout.router == "sglang"
+        and not cfg.rollout.sglang_router_url
+        and not cfg.rollout.sglang_router_port
+    ):
         cfg.rollout.sglang_router_port = free_port()  # up starts the router (child_specs) on this port
     if cfg.rollout.router == "sglang" and cfg.rollout.sglang_router_port:
         cfg.rollout.sglang_router_url = f"http://{cfg.engine.host}:{cfg.rollout.sglang_router_port}"
