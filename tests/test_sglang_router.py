@@ -1,0 +1,266 @@
+"""The real SGLang router binary (PyPI ``sglang-router``) in front of two built-in engine processes, over real
+HTTP: requests spread over both engines and come back token-exact, a rollout worker runs an epoch through it,
+a rid abort reaches the engine that holds the request and its partial rollout is resubmitted through the
+router, and an engine killed under load is routed around."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from broker.config import SharedConfig
+from broker.registry import engine_id_for
+from rollout_fleet.client import EngineClient, GenerateResult, SamplingConfig, build_generate_request
+from rollout_fleet.config import EngineConfig
+from rollout_fleet.fleet import engine_command
+from rollout_fleet.model import init_tiny_model
+from rollout_fleet.router import Router
+from rollout_fleet.sglang_router import healthy_workers, running_router
+from tests.test_rollout_worker import configs, read_records, run_worker
+
+pytestmark = pytest.mark.timeout(180)
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class EngineProcess:
+    url: str
+    process: subprocess.Popen
+
+    def finished_requests(self) -> int:
+        """The engine's own count of requests it finished (its Prometheus /metrics)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        match = re.search(r"^streamrl_engine_finished_requests\S*\s+([0-9.e+]+)$", text, re.M)
+        assert match, "no finished_requests in the engine's /metrics"
+        return int(float(match.group(1)))
+
+
+@contextlib.contextmanager
+def engine_processes(model_dir: Path, run_dir: Path, count: int = 2) -> Iterator[list[EngineProcess]]:
+    """``count`` built-in engines, each its own ``python -m streamrl engine`` process (the fleet's command)."""
+    shared = SharedConfig(run_id="sglrouter", model_path=model_dir, run_dir=run_dir)
+    engine = EngineConfig(seed=0, max_context_len=320, max_running_requests=16, health_generation=False)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out: list[EngineProcess] = []
+    try:
+        for i in range(count):
+            port = free_port()
+            log = open(run_dir / f"engine-{i}.log", "wb")  # noqa: SIM115 - closed with the process
+            proc = subprocess.Popen(
+                engine_command(shared, engine, port, i), stdout=log, stderr=subprocess.STDOUT
+            )
+            log.close()
+            out.append(EngineProcess(f"http://127.0.0.1:{port}", proc))
+        deadline = time.monotonic() + 120
+        for e in out:
+            while True:
+                assert e.process.poll() is None, f"engine {e.url} exited"
+                assert time.monotonic() < deadline, f"engine {e.url} did not come up"
+                try:
+                    with urllib.request.urlopen(f"{e.url}/model_info", timeout=2):
+                        break
+                except OSError:
+                    time.sleep(0.2)
+        yield out
+    finally:
+        for e in out:
+            if e.process.poll() is None:
+                e.process.send_signal(signal.SIGTERM)
+        for e in out:
+            try:
+                e.process.wait(15)
+            except subprocess.TimeoutExpired:
+                e.process.kill()
+                e.process.wait()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_tiny_model(tmp_path_factory.mktemp("sglrouter") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[list[EngineProcess], str]]:
+    """Two engine processes and a round-robin sglang-router in front of them (shared by the tests that keep
+    both engines alive)."""
+    run_dir = tmp_path_factory.mktemp("sglrouter-run")
+    with (
+        engine_processes(model_dir, run_dir) as engines,
+        running_router(
+            [e.url for e in engines], free_port(), policy="round_robin", log_path=run_dir / "router.log"
+        ) as url,
+    ):
+        yield engines, url
+
+
+def prompt(i: int) -> list[int]:
+    return [10 + (i * 7 + k * 3) % 80 for k in range(4 + i % 5)]
+
+
+def long_payload(ids: list[int], budget: int, rid: str) -> dict:
+    payload = build_generate_request(ids, GREEDY, budget, rid)
+    payload["sampling_params"]["ignore_eos"] = True  # a random tiny model: make the length known
+    return payload
+
+
+async def test_requests_spread_over_both_engines_and_come_back_token_exact(fleet) -> None:
+    engines, url = fleet
+    before = [e.finished_requests() for e in engines]
+    n = 8
+    async with aiohttp.ClientSession() as session:
+        via = EngineClient(session, url, 60, 10)
+        direct = EngineClient(session, engines[0].url, 60, 10)
+        payloads = [build_generate_request(prompt(i), GREEDY, 12, f"tok-{i}") for i in range(n)]
+        routed: list[GenerateResult] = await asyncio.gather(*(via.generate(p) for p in payloads))
+        after = [e.finished_requests() for e in engines]
+        served = [a - b for a, b in zip(after, before, strict=True)]
+        assert sum(served) == n and min(served) >= n // 2 - 1, served  # round robin: both engines serve
+        for p, r in zip(payloads, routed, strict=True):
+            mine = await direct.generate({**p, "rid": p["rid"] + "-direct"})
+            assert r.rid == p["rid"]  # the router passes the rid through
+            assert r.output_ids == mine.output_ids and len(r.output_ids) >= 1
+            assert r.logprobs == pytest.approx(mine.logprobs, abs=1e-5)
+            assert r.versions == [0] * len(r.output_ids)
+
+
+async def test_the_router_rejects_a_batch_of_rids_so_the_worker_sends_samples_alone(
+    fleet, redis_url: str, model_dir: Path
+) -> None:
+    engines, url = fleet
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"{url}/generate",
+            json={"input_ids": [[5, 6], [5, 6]], "rid": ["a", "b"], "sampling_params": {"max_new_tokens": 2}},
+        ) as resp,
+    ):
+        assert resp.status == 422  # what rollout.batch_group_requests would meet behind it
+    before = [e.finished_requests() for e in engines]
+    shared, engine, rollout = configs(
+        model_dir,
+        [e.url for e in engines],
+        run_id="viarouter",
+        router="sglang",
+        sglang_router_url=url,
+        group_size=3,
+    )
+    stats = await run_worker(redis_url, shared, engine, rollout)
+    assert stats.finished and stats.groups_produced == 6 and stats.batch_requests == 0
+    assert stats.rejected_requests == 0 and stats.engine_failures == 0
+    records = await read_records(redis_url, shared)
+    assert sorted(g.prompt_index for g in records) == list(range(6))
+    for g in records:
+        for s in g.samples:
+            assert s.engine_id == engine_id_for(url)  # the router's address: it does not say which engine
+            assert s.num_tokens() >= 1 and (s.versions == 0).all() and s.reward_status == "ok"
+    served = [a - b for a, b in zip((e.finished_requests() for e in engines), before, strict=True)]
+    assert sum(served) == 18 and min(served) >= 1, served
+
+
+async def test_a_rid_abort_reaches_its_engine_and_the_partial_rollout_is_resubmitted(fleet) -> None:
+    engines, url = fleet
+    ids, budget = prompt(3), 280
+    async with aiohttp.ClientSession() as session:
+        router = Router(session, None, request_timeout_s=60, control_timeout_s=5, proxy_url=url)
+        for e in engines:
+            router.add(e.url)
+        await router.probe_all()
+        assert router.proxy is not None and router.proxy.healthy and len(router.healthy()) == 2
+        handle = await router.acquire(prefer=engine_id_for(engines[1].url))
+        assert handle is router.proxy  # prefer does not apply: the sglang-router picks the engine
+        task = asyncio.create_task(handle.client.generate(long_payload(ids, budget, "long:r0")))
+        deadline = time.monotonic() + 30
+        while True:  # until one engine decodes it
+            loads = [await EngineClient(session, e.url, 5, 5).control("GET", "/v1/loads") for e in engines]
+            if any(x["loads"][0]["num_running_reqs"] for x in loads):
+                break
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.01)
+        router.abort_later(handle, "long:r0")  # to every engine, directly: the router does not proxy it
+        await router.aclose()
+        first = await task
+        router.release(handle)
+        assert first.aborted and 0 < len(first.output_ids) < budget, len(first.output_ids)
+        # resubmitted as prompt + tokens so far, through the router, with the rest of the budget
+        rest = await router.proxy.client.generate(
+            long_payload(ids + first.output_ids, budget - len(first.output_ids), "long:r1")
+        )
+        assert rest.finish_reason == "length" and len(first.output_ids) + len(rest.output_ids) == budget
+        whole = await EngineClient(session, engines[0].url, 60, 5).generate(
+            long_payload(ids, budget, "whole")
+        )
+        assert first.output_ids + rest.output_ids == whole.output_ids  # greedy: the same tokens as one go
+
+
+def test_a_killed_engine_is_routed_around(model_dir: Path, tmp_path: Path) -> None:
+    """kill -9 of one engine under load: the router retries what the dead engine was generating on the live one
+    (from the prompt: the client never saw the lost tokens), so every in-flight request is answered in full; new
+    requests all go to the live engine, and the router's health check takes the dead one out."""
+
+    async def scenario(engines: list[EngineProcess], url: str) -> None:
+        async with aiohttp.ClientSession() as session:
+            via = EngineClient(session, url, 60, 10)
+            inflight = [
+                asyncio.create_task(via.generate(long_payload(prompt(i), 200, f"k{i}"))) for i in range(4)
+            ]
+            deadline = time.monotonic() + 30
+            while True:  # both engines decoding
+                loads = [
+                    await EngineClient(session, e.url, 5, 5).control("GET", "/v1/loads") for e in engines
+                ]
+                if all(x["loads"][0]["num_running_reqs"] for x in loads):
+                    break
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            os.kill(engines[1].process.pid, signal.SIGKILL)
+            outcomes = await asyncio.gather(*inflight, return_exceptions=True)
+            done = [o for o in outcomes if isinstance(o, GenerateResult)]
+            errors = [o for o in outcomes if not isinstance(o, GenerateResult)]
+            assert not errors, errors
+            for o in done:
+                assert o.finish_reason == "length" and len(o.output_ids) == 200
+            assert engines[0].finished_requests() == 4  # its own two and the two it took over
+            before = engines[0].finished_requests()
+            again = await asyncio.gather(
+                *(via.generate(build_generate_request(prompt(i), GREEDY, 8, f"after{i}")) for i in range(6))
+            )
+            assert all(len(r.output_ids) >= 1 for r in again)
+            assert engines[0].finished_requests() - before == 6  # every new request went to the live engine
+
+    with (
+        engine_processes(model_dir, tmp_path) as engines,
+        running_router(
+            [e.url for e in engines],
+            free_port(),
+            policy="round_robin",
+            health_check_interval_s=1,
+            log_path=tmp_path / "router.log",
+        ) as url,
+    ):
+        asyncio.run(scenario(engines, url))
+        deadline = time.monotonic() + 30
+        while healthy_workers(url) != [engines[0].url]:  # 3 failed probes a second apart
+            assert time.monotonic() < deadline, healthy_workers(url)
+            time.sleep(0.5)
