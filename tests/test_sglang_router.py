@@ -264,3 +264,45 @@ def test_a_killed_engine_is_routed_around(model_dir: Path, tmp_path: Path) -> No
         while healthy_workers(url) != [engines[0].url]:  # 3 failed probes a second apart
             assert time.monotonic() < deadline, healthy_workers(url)
             time.sleep(0.5)
+
+
+def test_up_starts_the_router_as_a_role_after_the_engines(fleet, model_dir: Path, tmp_path: Path) -> None:
+    """``rollout.router = sglang`` with no URL: ``streamrl up`` picks the router's port, points every worker at
+    it, and starts ``streamrl router`` (a real process, the router binary by exec) before the learner, ready when
+    the router counts every engine healthy; with an external URL it starts none."""
+    from streamrl.config import StreamRLConfig
+    from streamrl.up import child_specs, resolve, write_config
+
+    engines, _ = fleet
+    cfg = StreamRLConfig.model_validate(
+        {"shared": {"model_path": str(model_dir), "run_dir": str(tmp_path)}, "rollout": {"router": "sglang"}}
+    )
+    cfg = resolve(cfg)
+    port = cfg.rollout.sglang_router_port
+    assert port > 0 and cfg.rollout.sglang_router_url == f"http://127.0.0.1:{port}"
+    cfg.rollout.engine_urls = [e.url for e in engines]  # the module's engines stand in for up's
+    write_config(cfg)
+    before, _ = child_specs(cfg, tmp_path / "config.toml")
+    names = [s.name for s in before]
+    assert names[-1] == "router" and names.index("engine-0") < names.index("router")
+    spec = before[-1]
+    assert spec.ready is not None and spec.ready() is False
+    proc = subprocess.Popen(spec.argv)
+    try:
+        deadline = time.monotonic() + 60
+        while not spec.ready():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.25)
+        assert sorted(healthy_workers(cfg.rollout.sglang_router_url)) == sorted(e.url for e in engines)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+    external = StreamRLConfig.model_validate(
+        {
+            "shared": {"model_path": str(model_dir), "run_dir": str(tmp_path)},
+            "rollout": {"router": "sglang", "sglang_router_url": "http://10.0.0.9:8000"},
+        }
+    )
+    external = resolve(external)
+    assert external.rollout.sglang_router_url == "http://10.0.0.9:8000"
+    assert "router" not in [s.name for s in child_specs(external, tmp_path / "config.toml")[0]]
