@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test install lint format bench-quick clean browser
+.PHONY: run test install lint format bench-quick clean browser gpu-check
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,14 @@ format: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.broker_throughput --quick --out benchmarks/results/broker_throughput.quick.json
+
+# The GPU path in a few minutes on one GPU (benchmarks/gpu_check.py): pytest -m gpu, a bf16 learner step and an
+# NCCL sync of a Qwen2.5-0.5B-shaped model against a flat broadcast, a real SGLang fleet with a weight update.
+# It runs under GPU_PY, the GPU node's own Python (CUDA torch, optionally sglang), not the CPU venv; without a
+# CUDA device it says so, records it in the JSON and exits 2.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PY) -m benchmarks.gpu_check --out benchmarks/results/gpu_check.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
