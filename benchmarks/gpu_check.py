@@ -20,9 +20,10 @@ Parts, in order, each ``{status: passed | failed | skipped, seconds, reason, ...
    communicator's ranks must be on distinct devices: "Duplicate GPU detected"): then the part fails with
    that error recorded, which is the finding.
 4. ``sglang_fleet``: when ``import sglang`` works: a real SGLang server launched by ``rollout_fleet.fleet.Fleet``
-   with the tiny model, a greedy generation, a weight update (NCCL ``sync_weights`` with the engine on a second
-   GPU; on one GPU ``/update_weights_from_disk`` of perturbed weights, the protocol's recovery path), then the
-   new ``weight_version`` and changed log-probs checked. Skipped, with the import error as its reason, otherwise.
+   with the tiny model, a greedy generation, a weight update by ``/update_weights_from_disk`` of perturbed
+   weights (the protocol's recovery path; an NCCL group between this process and the server would put two ranks
+   on one GPU, see part 3; no ``gpu`` test sends full weights to SGLang over NCCL either, which needs two
+   GPUs), then the new ``weight_version`` and changed log-probs checked. Skipped, with the import error as its reason, otherwise.
 
 Without a CUDA device it writes the JSON with ``status = "no_cuda"`` and every part skipped for that reason,
 prints "gpu-check: no CUDA device", and exits 2 (nothing was checked). ``--allow-cpu`` runs parts 2 and 3 on the
@@ -71,7 +72,7 @@ SMALL = {
     "tie_word_embeddings": True,
 }
 PARTS = ("pytest_gpu", "learner_step_bf16", "nccl_sync", "sglang_fleet")
-TIMEOUT_S = 300.0
+TIMEOUT_S = 120.0  # every collective and HTTP call of the check: a hang fails its part within two minutes
 
 
 def timed_part(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
