@@ -1,7 +1,8 @@
 """The real SGLang router binary (PyPI ``sglang-router``) in front of two built-in engine processes, over real
 HTTP: requests spread over both engines and come back token-exact, a rollout worker runs an epoch through it,
-a rid abort reaches the engine that holds the request and its partial rollout is resubmitted through the
-router, and an engine killed under load is routed around."""
+a worker's samples aborted by a pause are resubmitted through it with both versions recorded, a rid abort
+reaches the engine that holds the request and its partial rollout is resubmitted through the router, an engine
+killed under load is routed around, and ``streamrl up`` starts the router as a role."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 import pytest
 
 from broker.config import SharedConfig
@@ -142,7 +144,7 @@ async def test_requests_spread_over_both_engines_and_come_back_token_exact(fleet
             assert r.rid == p["rid"]  # the router passes the rid through
             assert r.output_ids == mine.output_ids and len(r.output_ids) >= 1
             assert r.logprobs == pytest.approx(mine.logprobs, abs=1e-5)
-            assert r.versions == [0] * len(r.output_ids)
+            assert r.versions == mine.versions
 
 
 async def test_the_router_rejects_a_batch_of_rids_so_the_worker_sends_samples_alone(
@@ -177,6 +179,57 @@ async def test_the_router_rejects_a_batch_of_rids_so_the_worker_sends_samples_al
             assert s.num_tokens() >= 1 and (s.versions == 0).all() and s.reward_status == "ok"
     served = [a - b for a, b in zip((e.finished_requests() for e in engines), before, strict=True)]
     assert sum(served) == 18 and min(served) >= 1, served
+
+
+async def test_a_worker_resubmits_samples_aborted_by_a_pause_through_the_router(
+    fleet, redis_url: str, model_dir: Path
+) -> None:
+    """An abort-mode pause of both engines (what a weight update does) while a worker generates through the
+    router, then a new version label: the worker resubmits each partial sample (prompt + tokens so far) through
+    the router, and the records carry the old version's prefix then the new version's tokens."""
+    from rollout_fleet.tasks.config import TaskConfig
+
+    engines, url = fleet
+    shared, engine, rollout = configs(
+        model_dir,
+        [e.url for e in engines],
+        run_id="pausedviarouter",
+        router="sglang",
+        sglang_router_url=url,
+        group_size=4,
+        max_new_tokens=200,
+        task=TaskConfig(name="arithmetic", seed=0, train_size=4),
+    )
+    old = int((await model_info_of(engines[0].url))["weight_version"])
+    worker = asyncio.create_task(run_worker(redis_url, shared, engine, rollout))
+    async with aiohttp.ClientSession() as session:
+        clients = [EngineClient(session, e.url, 30, 30) for e in engines]
+        deadline = time.monotonic() + 30
+        while True:  # both engines decoding the worker's samples
+            loads = [await c.control("GET", "/v1/loads") for c in clients]
+            if all(x["loads"][0]["num_running_reqs"] for x in loads):
+                break
+            assert time.monotonic() < deadline and not worker.done()
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # some tokens generated
+        await asyncio.gather(*(c.pause("abort") for c in clients))  # answered: aborted with partial output
+        await asyncio.gather(*(c.update_weight_version(old + 1) for c in clients))
+        await asyncio.gather(*(c.resume() for c in clients))
+    stats = await asyncio.wait_for(worker, 120)
+    assert stats.finished and stats.resubmits > 0 and stats.engine_failures == 0
+    samples = [s for g in await read_records(redis_url, shared) for s in g.samples]
+    resubmitted = [s for s in samples if s.num_resubmits > 0]
+    assert resubmitted and len(samples) == 16
+    for s in resubmitted:
+        v = s.versions
+        switch = int(np.argmax(v == old + 1))
+        assert v[0] == old and switch >= 1 and (v[:switch] == old).all() and (v[switch:] == old + 1).all()
+        assert s.timings["requests"] >= 2 and s.engine_id == engine_id_for(url)
+
+
+async def model_info_of(url: str) -> dict:
+    async with aiohttp.ClientSession() as session:
+        return await EngineClient(session, url, 10, 10).model_info()
 
 
 async def test_a_rid_abort_reaches_its_engine_and_the_partial_rollout_is_resubmitted(fleet) -> None:
