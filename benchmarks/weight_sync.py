@@ -120,7 +120,8 @@ def flat_broadcast(sender: WeightSender, buffer: torch.Tensor, chunk: int = 0) -
     timed from the moment all of them are waiting for it."""
     body = {"nbytes": buffer.numel(), "chunk": chunk, "group_name": sender.config.group_name}
     futures = [sender.http.submit(e.url, "/bench_receive", body, TIMEOUT_S) for e in sender.members]
-    sender.group.broadcast(torch.zeros(1))  # the start line: every engine has posted its receive
+    # the start line: every engine has posted its receive (on the buffer's device: NCCL takes CUDA tensors only)
+    sender.group.broadcast(torch.zeros(1, device=buffer.device))
     t0 = time.perf_counter()
     for work in [sender.group.broadcast(c, async_op=True) for c in buffer.split(chunk or buffer.numel())]:
         work.wait()

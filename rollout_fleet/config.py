@@ -162,6 +162,21 @@ class RolloutConfig(Section):
         default_factory=list,
         description="Engines to route to and register; empty: engine.count engines at engine.host:base_port+i.",
     )
+    router: Literal["fleet", "sglang"] = Field(
+        "fleet",
+        description="What spreads /generate over the engines: fleet (the worker's own router) or sglang (an "
+        "sglang-router in front of them; weight updates, aborts and probes still go to each engine).",
+    )
+    sglang_router_url: str | None = Field(
+        None,
+        description="URL of a running sglang-router (router = sglang); unset: streamrl up starts one as a role.",
+    )
+    sglang_router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = Field(
+        "cache_aware", description="Routing policy of the sglang-router that streamrl up starts."
+    )
+    sglang_router_port: int = Field(
+        0, ge=0, le=65535, description="Port of the sglang-router streamrl up starts; 0 picks a free one."
+    )
     launch_engines: bool = Field(
         False,
         description="Launch engine.count engines (engine.kind) from this process and stop them on exit.",

@@ -79,6 +79,17 @@ def scorer_of(rollout: RolloutConfig) -> tuple[str, dict]:
     return rollout.task.name, rollout.task.options()
 
 
+def sglang_router_url(rollout: RolloutConfig) -> str | None:
+    """The sglang-router every request goes through (``rollout.router = "sglang"``), else None."""
+    if rollout.router != "sglang":
+        return None
+    if not rollout.sglang_router_url:
+        raise ConfigError(
+            "rollout.router = 'sglang' needs rollout.sglang_router_url (streamrl up starts a router and sets it)"
+        )
+    return rollout.sglang_router_url
+
+
 async def engine_urls(
     registry: EngineRegistry, engine: EngineConfig, rollout: RolloutConfig, fleet: Fleet | None
 ) -> list[str]:
@@ -135,6 +146,7 @@ async def open_worker(
             no_engine_timeout_s=rollout.no_engine_timeout_s,
             # never generate on weights more than eta versions behind the published policy
             min_version=lambda: versions.value - shared.eta,
+            proxy_url=sglang_router_url(rollout),
         )
         for url in await engine_urls(registry, engine, rollout, fleet):
             await registry.register(url, source=f"worker {worker_id}", overwrite=False)

@@ -19,6 +19,10 @@
   ``/health_generate`` would block and report 503 then, see sglang-api.md section 4); it also reports the
   engine's weight version. A successful probe puts a failed engine back into routing; what the probes see is
   written to the registry.
+- With ``proxy_url`` (``rollout.router = "sglang"``, :mod:`rollout_fleet.sglang_router`) every request goes to
+  that sglang-router, which picks the engine: :meth:`Router.acquire` returns the router's handle while it answers
+  ``GET /health``, ``prefer`` and the staleness bound do not apply to it, and :meth:`Router.abort_later` sends the
+  rid's abort to every engine directly. The engines are still probed and written to the registry as above.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class Router:
         health_interval_s: float = 2.0,
         no_engine_timeout_s: float = 300.0,
         min_version: Callable[[], int] | None = None,
+        proxy_url: str | None = None,
     ) -> None:
         self.session = session
         self.registry = registry
@@ -88,6 +93,11 @@ class Router:
         self._counter = itertools.count()
         self._rr = 0
         self._background: set[asyncio.Task] = set()  # fire-and-forget calls, referenced until done
+        self.proxy: EngineHandle | None = None  # an sglang-router that every request goes through
+        if proxy_url is not None:
+            url = normalize_url(proxy_url)
+            client = EngineClient(session, url, request_timeout_s, control_timeout_s)
+            self.proxy = EngineHandle(engine_id_for(url), url, client, order=-1)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -143,7 +153,10 @@ class Router:
         return [h for h in self.healthy() if not self.behind(h)]
 
     def pick(self, prefer: str | None = None) -> EngineHandle | None:
-        """The preferred engine when routable, else the routable engine with the fewest outstanding requests."""
+        """The preferred engine when routable, else the routable engine with the fewest outstanding requests
+        (behind an sglang-router: the router's handle while it is healthy)."""
+        if self.proxy is not None:
+            return self.proxy if self.proxy.healthy else None
         if prefer is not None:
             handle = self.engines.get(prefer)
             if handle is not None and handle.healthy and not handle.removed and not self.behind(handle):
@@ -188,7 +201,9 @@ class Router:
     def observe(self, handle: EngineHandle, weight_version: int) -> None:
         """An answer from the engine carried ``weight_version``. Higher than known: the engine was updated. Lower:
         an answer that started before an update, or the engine restarted on its initial weights; a probe
-        (which reads its current label) decides."""
+        (which reads its current label) decides. Answers through an sglang-router name no engine: ignored."""
+        if handle is self.proxy:
+            return
         if handle.weight_version is not None and weight_version < handle.weight_version:
             self._spawn(self._probe_quietly(handle))
             return
@@ -220,26 +235,31 @@ class Router:
             log.warning("engine %s taken out of routing: %s", handle.engine_id, error)
         handle.healthy = False
         handle.last_error = error
-        if was and self.registry is not None:
+        if was and self.registry is not None and handle is not self.proxy:
             self._spawn(self._write(handle, "unhealthy", error))
         return was
 
     def abort_later(self, handle: EngineHandle, rid: str) -> None:
-        """Best-effort ``/abort_request`` for a request whose caller went away (fire and forget)."""
+        """Best-effort ``/abort_request`` for a request whose caller went away (fire and forget). Sent through
+        an sglang-router (which does not proxy it, and does not say which engine holds the rid): to every engine
+        that is healthy, directly; an engine ignores a rid it does not hold."""
 
-        async def abort() -> None:
+        async def abort(target: EngineHandle) -> None:
             with contextlib.suppress(
                 Exception
             ):  # best effort: the engine also aborts a request whose client left
-                await handle.client.abort(rid)
+                await target.client.abort(rid)
 
-        if handle.healthy:
-            self._spawn(abort())
+        targets = self.healthy() if handle is self.proxy else [handle] if handle.healthy else []
+        for target in targets:
+            self._spawn(abort(target))
 
     # -- health ----------------------------------------------------------------------------------------------
 
     async def probe(self, handle: EngineHandle) -> bool:
         """GET /model_info under the control timeout; updates routing and the registry. True when alive."""
+        if handle is self.proxy:
+            return await self._probe_proxy(handle)
         try:
             info = await handle.client.model_info()
             version = parse_version(info.get("weight_version", "default"))
@@ -262,8 +282,26 @@ class Router:
         await self._write(handle, "healthy", "")
         return True
 
+    async def _probe_proxy(self, handle: EngineHandle) -> bool:
+        """The sglang-router's own liveness (``GET /health``, answered by the router, no generation)."""
+        try:
+            await handle.client.control("GET", "/health")
+        except Exception as exc:  # noqa: BLE001 - any failure means not routable
+            error = f"probe: {type(exc).__name__}: {exc}"
+            if handle.healthy:
+                self.mark_failed(handle, error)
+            else:
+                handle.last_error = error
+            return False
+        if not handle.healthy:
+            log.info("sglang router %s is healthy", handle.url)
+        handle.last_seen = time.time()
+        self._set_healthy(handle, True)
+        return True
+
     async def probe_all(self) -> None:
-        await asyncio.gather(*(self.probe(h) for h in list(self.engines.values())))
+        handles = list(self.engines.values()) + ([self.proxy] if self.proxy is not None else [])
+        await asyncio.gather(*(self.probe(h) for h in handles))
 
     async def _write(self, handle: EngineHandle, health: str, error: str) -> None:
         if self.registry is None:
@@ -299,6 +337,10 @@ class Router:
             "engines_routable": float(len(self.routable())),
             "engines": float(len(self.engines)),
         }
+        if self.proxy is not None:
+            out["sglang_router/healthy"] = float(self.proxy.healthy)
+            out["sglang_router/outstanding"] = float(self.proxy.outstanding)
+            out["sglang_router/failures"] = float(self.proxy.failures)
         for h in self.engines.values():
             out[f"engine/{h.engine_id}/outstanding"] = float(h.outstanding)
             out[f"engine/{h.engine_id}/healthy"] = float(h.healthy)

@@ -10,7 +10,8 @@ each group:
    ``rollout.batch_group_requests`` (default) the first request of every sample goes in one batched
    ``/generate`` (the prompt once per sample, a rid each), which costs the engine and this worker one HTTP
    call per group instead of one per sample; every later request of a sample (after an abort or a failed
-   engine) goes alone, and a batch that fails falls back to one request per sample.
+   engine) goes alone, and a batch that fails falls back to one request per sample. Behind an sglang-router
+   (``rollout.router = "sglang"``) every request goes alone: the router rejects a batch of rids.
 3. Output ids and behaviour log-probs come from ``meta_info.output_token_logprobs``, one policy version per
    token from the ``weight_versions`` spans (:mod:`rollout_fleet.client`). Decoded text is made only for the
    verifier.
@@ -434,6 +435,7 @@ class RolloutWorker:
         first = (
             await self._first_requests(group_id, prompt_ids, budget)
             if self.config.batch_group_requests
+            and self.router.proxy is None  # an sglang-router takes no batch
             else None
         )
         results: list[_SampleResult] = await _all_or_nothing(

@@ -131,6 +131,12 @@ def _run_dashboard(config: StreamRLConfig) -> int:
     return run_dashboard(config.shared, config.dashboard, config.broker)
 
 
+def _run_router(config: StreamRLConfig) -> int:
+    from rollout_fleet.sglang_router import router_endpoint
+
+    return router_endpoint(config.engine, config.rollout)
+
+
 def _run_up(config: StreamRLConfig) -> int:
     from streamrl.up import run_up
 
@@ -166,6 +172,11 @@ COMMANDS: dict[str, Command] = {
         ("shared", "broker", "archive"),
         _run_archive,
         ("learner.wandb_mode",),
+    ),
+    "router": Command(
+        "run an sglang-router in front of the engines (rollout.router = sglang)",
+        ("shared", "engine", "rollout"),
+        _run_router,
     ),
     "dashboard": Command("serve the live dashboard", ("shared", "dashboard", "broker"), _run_dashboard),
     "up": Command(

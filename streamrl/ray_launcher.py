@@ -333,6 +333,12 @@ class RayLauncher:
         """Place the engines (their URLs are part of the config every role reads) and choose the addresses Redis
         and the engines bind. Returns the config to write."""
         cfg = cfg.model_copy(deep=True)
+        if cfg.rollout.router == "sglang" and cfg.rollout.sglang_router_port and self.multi_host:
+            raise ConfigError(
+                "rollout.router = 'sglang' on a multi-host Ray cluster: the router up would start binds "
+                "engine.host on whatever node it lands; run one where every worker reaches it and set "
+                "rollout.sglang_router_url (docs/rollout.md)"
+            )
         self.placement_path = Path(cfg.shared.run_dir) / PLACEMENT_FILE
         resources = self.engine_resources()
         urls = []

@@ -64,6 +64,17 @@ def _http_ok(url: str) -> bool:
         return False
 
 
+def _router_ready(config: StreamRLConfig) -> bool:
+    """The sglang-router answers and counts every engine healthy."""
+    from rollout_fleet.sglang_router import healthy_workers
+
+    try:
+        healthy = healthy_workers(str(config.rollout.sglang_router_url))
+    except (OSError, ValueError):
+        return False
+    return len(healthy) >= len(config.rollout.engine_urls)
+
+
 def _redis_ready(config: StreamRLConfig) -> bool:
     path = url_file(config.shared)
     if not path.is_file():
@@ -121,6 +132,14 @@ def resolve(config: StreamRLConfig) -> StreamRLConfig:
     cfg.rollout.engine_urls = urls
     cfg.weight_sync.engine_urls = urls
     cfg.weight_sync.engine_ranks = engine_ranks(cfg.engine)
+    if (
+        cfg.rollout.router == "sglang"
+        and not cfg.rollout.sglang_router_url
+        and not cfg.rollout.sglang_router_port
+    ):
+        cfg.rollout.sglang_router_port = free_port()  # up starts the router (child_specs) on this port
+    if cfg.rollout.router == "sglang" and cfg.rollout.sglang_router_port:
+        cfg.rollout.sglang_router_url = f"http://{cfg.engine.host}:{cfg.rollout.sglang_router_port}"
     if cfg.dashboard.port == 0:
         cfg.dashboard.port = free_port()
     cfg.shared.run_dir = Path(cfg.shared.run_dir).resolve()
@@ -209,6 +228,12 @@ def child_specs(cfg: StreamRLConfig, config_path: Path) -> tuple[list[ChildSpec]
             restart="always",  # an engine exits only when told to (or when it dies)
         )  # fmt: skip
         before.append(engine)
+    if cfg.rollout.router == "sglang" and cfg.rollout.sglang_router_port:  # an sglang-router in front of them
+        before.append(role(
+            "router", "router", up.engine_restarts,
+            ready=lambda: _router_ready(cfg),
+            restart="always",
+        ))  # fmt: skip
     # Rollouts start once the learner has published its weights: the clock of a run (its first rollout
     # request) then leaves out the learner's start-up, as a trainer's clock leaves out model loading. A learner
     # that dies is restarted: it resumes from its last durable checkpoint.

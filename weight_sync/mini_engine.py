@@ -39,18 +39,24 @@ from weight_sync.receiver import (
 )
 
 
-def load_model(model_dir: str | None, model_config: str | None) -> torch.nn.Module:
-    """From an HF directory, or (benchmarks) a Qwen2 of the given config with uninitialised weights."""
+def load_model(
+    model_dir: str | None, model_config: str | None, device: str = "cpu", dtype: str = "float32"
+) -> torch.nn.Module:
+    """From an HF directory, or (benchmarks) a Qwen2 of the given config with uninitialised weights, on
+    ``device`` in ``dtype``."""
+    torch_dtype = getattr(torch, dtype)
     if model_dir:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(**json.loads(model_config or "{}"))
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config)
-    return model.to_empty(device="cpu").eval()
+    model = model.to_empty(device=device).to(torch_dtype)
+    model.tie_weights()  # to_empty gives tied parameters separate storage: tie them again (tied configs)
+    return model.eval()
 
 
 def load_safetensors_dir(model: torch.nn.Module, path: str) -> int:
@@ -68,13 +74,14 @@ def load_safetensors_dir(model: torch.nn.Module, path: str) -> int:
 class MiniEngine:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.model = load_model(args.model_dir, args.model_config)
+        self.model = load_model(args.model_dir, args.model_config, args.device, args.dtype)
         self.model_path = args.model_dir or "<in-memory>"
         self.receiver = WeightReceiver(
             copy_into(self.model),
             timeout_s=args.timeout_s,
             require_session=not args.no_sessions,
             destination=None if args.no_direct else model_destination(self.model),
+            device=args.device,
         )
         self.receiver.weight_version = "0"
         self.paused: str | None = None
@@ -193,8 +200,8 @@ class MiniEngine:
         def run() -> None:
             with self.receiver.exclusive():
                 if self._bench_buffer is None or self._bench_buffer.numel() != nbytes:
-                    self._bench_buffer = torch.zeros(nbytes, dtype=torch.uint8)
-                group.broadcast(torch.empty(1))
+                    self._bench_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.args.device)
+                group.broadcast(torch.empty(1, device=self.args.device))
                 chunks = self._bench_buffer.split(chunk)
                 for work in [group.broadcast(c, async_op=True) for c in chunks]:
                     work.wait()
@@ -231,6 +238,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-at-update", type=int, default=0, help="SIGKILL itself on the N-th update call")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--no-direct", action="store_true", help="per-tensor updates go through load_weights too")
+    p.add_argument("--device", default="cpu", help="torch device of the model and the receive buffers")
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype"
+    )
     args = p.parse_args(argv)
     if not (args.model_dir or args.model_config):
         p.error("one of --model-dir or --model-config is required")
