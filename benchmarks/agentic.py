@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     evaluator = [f"--rollout.task.heldout_size={min(args.heldout, 500)}", "--eval.heldout_prompts=500"]
     runs = []
     for seed in range(seeds):
-        tag = f"s{seed}-{len(list(args.work.glob(f's{seed}-*')))}"
+        tag = f"s{seed}-{len(list(args.work.glob(f'tool-s{seed}-*')))}"  # a fresh directory: never a resume
         print(f"seed {seed}: tool_arithmetic, {args.steps} steps ...", flush=True)
         tool_dir = args.work / f"tool-{tag}"
         tool = run_up(
