@@ -259,6 +259,8 @@ async def _answers(
     task: Task | None = None,
 ) -> list[tuple[str, int]]:
     """(text, weight version) of ``count`` answers to one prompt; several go as one batched request."""
+    if isinstance(task, EnvironmentTask):
+        prompt = await task.prepare_prompt(prompt)
     ids = tokenizer(prompt.text, add_special_tokens=False).input_ids
     rid = f"eval-t{sampling.temperature:g}-{prompt.index}-{time.monotonic_ns()}"
     if isinstance(task, EnvironmentTask):

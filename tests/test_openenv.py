@@ -1,0 +1,157 @@
+"""The OpenEnv adapter end to end: a real OpenEnv environment server process (openenv-core's ``create_app``,
+tests/openenv_guess.py), episodes run by the real worker against a real built-in engine and a real Redis, and
+the records' turn bounds, masks, observation ids and rewards checked against the environment's own logic."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+
+from rollout_fleet.envs.openenv import OpenEnvTask
+from rollout_fleet.envs.tools import tool_observation
+from rollout_fleet.model import build_tokenizer
+from rollout_fleet.tasks import TaskError, get_task
+from rollout_fleet.tasks.config import TaskConfig
+from tests.openenv_guess import FIRST, MAX_STEPS, answer, target_of
+from tests.test_rollout_worker import configs, model_dir, read_drops, read_records, run_worker, serving
+
+pytestmark = pytest.mark.timeout(180)
+__all__ = ["model_dir"]  # the module fixture, shared
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def env_url() -> Iterator[str]:
+    """A real OpenEnv server process on a free port (uvicorn), stopped after the module."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.openenv_guess", str(port)],
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, "the OpenEnv server exited"
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the OpenEnv server did not start"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_the_environment_speaks_openenv_and_renders_turns_with_the_chat_template(env_url: str) -> None:
+    tok = build_tokenizer()
+    task = get_task("openenv", env_url=env_url, train_size=5, env_observation_field="message", tokenizer=tok)
+    assert await task.check() == f"OpenEnv server at {env_url}"
+    prompt = await task.prepare_prompt(task.make_prompt(2))
+    assert prompt.text == f"<|im_start|>user\n{FIRST}<|im_end|>\n<|im_start|>assistant\n"
+    target = target_of(prompt.metadata["reset_seed"])
+    env = task.make_env(prompt)
+    try:
+        assert await env.reset() == prompt.text  # the same seed, the same first observation
+        wrong = (target + 1) % 10
+        first = await env.step(f"{wrong}<|im_end|>")
+        message = "higher" if target > wrong else "lower"
+        assert (first.done, first.reward) == (False, 0.0)
+        assert first.observation == tool_observation(tok, message, role="user")
+        assert first.observation == f"\n<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n"
+        right = await env.step(f"it is {target}<|im_end|>")
+        assert (right.done, right.reward) == (True, 1.0)
+    finally:
+        await env.close()
+    # sessions are separate: two environments at once keep their own targets and step counts
+    a, b = task.make_env(prompt), task.make_env(task.make_prompt(3))
+    try:
+        await a.reset(), await b.reset()
+        assert (await a.step("x")).observation.count("no digit") == 1
+        assert not (await b.step("x")).done and (await a.step("y")).done is False
+    finally:
+        await a.close(), await b.close()
+
+
+async def test_bad_urls_are_clear_errors_at_start() -> None:
+    for bad in ("localhost:8000", "ftp://host", "http://", "http://h:notaport"):
+        with pytest.raises(TaskError, match="env_url"):
+            get_task("openenv", env_url=bad)
+    with pytest.raises(TaskError, match="task.env_url is required"):
+        get_task("openenv")
+    task = get_task("openenv", env_url=f"http://127.0.0.1:{_free_port()}", env_timeout_s=2.0)
+    with pytest.raises(TaskError, match="no OpenEnv server at env_url"):
+        await task.check()
+
+
+async def test_the_worker_runs_openenv_episodes_token_in_token_out(
+    redis_url: str, model_dir: Path, env_url: str
+) -> None:
+    tok = build_tokenizer()
+    with serving(model_dir) as srv:
+        shared, engine, rollout = configs(
+            model_dir, [srv.url], group_size=2, max_new_tokens=64, max_tokens_per_turn=4, temperature=1.0,
+            task=TaskConfig(name="tests.openenv_guess:OneTokenTurns", env_url=env_url, train_size=4,
+                            env_observation_field="message"),
+        )  # fmt: skip
+        stats = await run_worker(redis_url, shared, engine, rollout)
+    groups = await read_records(redis_url, shared)
+    assert stats.finished and len(groups) == 4 and not await read_drops(redis_url, shared)
+    task = OpenEnvTask(env_url=env_url, train_size=4)
+    eos = tok.eos_token_id
+    multi_turn = 0
+    for g in groups:
+        assert g.schema_version == 2
+        prompt_text = f"<|im_start|>user\n{FIRST}<|im_end|>\n<|im_start|>assistant\n"
+        assert list(g.prompt_ids) == tok(prompt_text, add_special_tokens=False)["input_ids"]
+        target = target_of(task.reset_seed("train", g.prompt_index))
+        for s in g.samples:
+            ids = [int(t) for t in s.output_ids]
+            turns = s.turns()
+            assert turns[0][0] == 0 and turns[-1][1] == len(ids) == s.num_tokens()
+            reward, step = 0.0, 0
+            for k, (start, end) in enumerate(turns):
+                assert s.loss_mask[start:end].all()
+                action = tok.decode(ids[start:end], skip_special_tokens=False)
+                if ids[end - 1] == eos:  # the model ended the episode itself: no step
+                    assert k == len(turns) - 1
+                    break
+                step += 1
+                message, r, done = answer(target, action, step)
+                reward += r
+                if k + 1 < len(turns):  # the observation between this turn and the next: the env's answer
+                    nxt = turns[k + 1][0]
+                    expected = tok(tool_observation(tok, message, "user"), add_special_tokens=False)[
+                        "input_ids"
+                    ]
+                    assert ids[end:nxt] == expected, (action, tok.decode(ids[end:nxt]))
+                    assert not s.loss_mask[end:nxt].any() and not s.logprobs[end:nxt].any()
+                    assert (s.versions[end:nxt] == s.versions[end - 1]).all()
+                    assert not done
+                else:
+                    assert done or len(turns) == rollout.max_turns or s.truncated
+            assert step <= MAX_STEPS
+            assert s.reward == pytest.approx(reward) and s.episode["env_reward"] == pytest.approx(reward)
+            assert s.reward_components.get("env", 0.0) == pytest.approx(reward)
+            assert s.episode["turns"] == len(turns)
+            multi_turn += len(turns) >= 2
+            assert (np.diff(s.versions) >= 0).all()
+    assert multi_turn >= 4  # most episodes take several turns (3 guesses unless one is right)
+    assert stats.turns == sum(s.episode["turns"] for g in groups for s in g.samples)
