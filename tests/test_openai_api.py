@@ -13,7 +13,7 @@ import pytest
 
 from rollout_fleet.engine.server import ServerThread
 from rollout_fleet.model import build_tokenizer
-from tests.test_rollout_worker import model_dir, serving
+from tests.test_rollout_worker import StepGate, model_dir, serving
 
 pytestmark = pytest.mark.timeout(120)
 __all__ = ["model_dir"]  # the module fixture, shared
@@ -160,6 +160,37 @@ async def test_a_paused_engine_holds_openai_requests_until_continue(srv: ServerT
                 assert resp.status == 200
         status, out = await asyncio.wait_for(pending, 30)
         assert status == 200 and out["choices"][0]["token_ids"]
+
+
+async def test_an_abort_mode_pause_answers_an_openai_request_as_aborted_with_its_partial_ids(
+    srv: ServerThread,
+) -> None:
+    """As /generate: /pause_generation (abort) aborts the in-flight chat request, which answers 200 with
+    finish_reason abort and the tokens generated so far, and returns only once that answer is out."""
+    gate = StepGate(srv, lambda r: r.kind == "decode" and "abort-me" in r.rids)
+    body = {
+        "messages": [{"role": "user", "content": "1+1="}],
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "rid": "abort-me",
+    }
+    pending = asyncio.ensure_future(_post(srv.url + "/v1/chat/completions", body))
+    try:
+        await gate.reached()
+        pause = asyncio.ensure_future(_post(srv.url + "/pause_generation", {"mode": "abort"}))
+        await asyncio.sleep(0.2)
+    finally:
+        gate.release()
+    try:
+        assert (await asyncio.wait_for(pause, 30))[0] == 200
+        assert pending.done()  # answered before the pause returned
+        status, out = pending.result()
+        (choice,) = out["choices"]
+        assert status == 200 and choice["finish_reason"] == "abort"
+        assert 0 < len(choice["token_ids"]) < 200
+    finally:
+        await _post(srv.url + "/continue_generation", {})
 
 
 async def test_the_openai_client_talks_to_the_engine(srv: ServerThread) -> None:
