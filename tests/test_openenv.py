@@ -101,6 +101,15 @@ async def test_bad_urls_are_clear_errors_at_start() -> None:
         await task.check()
 
 
+async def test_a_worker_with_an_unreachable_env_url_fails_at_start(redis_url: str, model_dir: Path) -> None:
+    url = f"http://127.0.0.1:{_free_port()}"
+    shared, engine, rollout = configs(
+        model_dir, ["http://127.0.0.1:1"], task=TaskConfig(name="openenv", env_url=url, env_timeout_s=2.0)
+    )
+    with pytest.raises(TaskError, match=f"no OpenEnv server at env_url = '{url}'"):
+        await run_worker(redis_url, shared, engine, rollout)
+
+
 async def test_the_worker_runs_openenv_episodes_token_in_token_out(
     redis_url: str, model_dir: Path, env_url: str
 ) -> None:
