@@ -3,7 +3,8 @@ adapter's end-to-end test; run as ``python -m tests.openenv_guess PORT``.
 
 reset(seed): the target is a digit drawn from ``random.Random(seed)``; the first observation asks for it.
 step({"message": text}): the first digit in text is the guess; right: reward 1, done; wrong: "higher" / "lower"
-(or "no digit"), reward 0; the episode ends after MAX_STEPS steps. :func:`answer` is the same logic, for the test.
+(or "no digit"), reward WRONG (nonzero, so every episode's reward shows); the episode ends after MAX_STEPS steps.
+:func:`answer` is the same logic, for the tests.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rollout_fleet.envs.openenv import OpenEnvTask
 from tests.agentic_tasks import TURN_END
 
 MAX_STEPS = 3
+WRONG = -0.125
 FIRST = "Guess a digit from 0 to 9."
 
 
@@ -41,7 +43,7 @@ def answer(target: int, text: str, step: int) -> tuple[str, float, bool]:
     if digit == target:
         return "right", 1.0, True
     message = "no digit" if digit is None else ("higher" if target > digit else "lower")
-    return message, 0.0, step >= MAX_STEPS
+    return message, WRONG, step >= MAX_STEPS
 
 
 class GuessEnvironment(Environment):

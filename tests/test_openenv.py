@@ -5,6 +5,7 @@ the records' turn bounds, masks, observation ids and rewards checked against the
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from rollout_fleet.envs.tools import tool_observation
 from rollout_fleet.model import build_tokenizer
 from rollout_fleet.tasks import TaskError, get_task
 from rollout_fleet.tasks.config import TaskConfig
-from tests.openenv_guess import FIRST, MAX_STEPS, answer, target_of
+from tests.openenv_guess import FIRST, MAX_STEPS, WRONG, OneTokenTurns, answer, target_of
 from tests.test_rollout_worker import configs, model_dir, read_drops, read_records, run_worker, serving
 
 pytestmark = pytest.mark.timeout(180)
@@ -73,7 +74,7 @@ async def test_the_environment_speaks_openenv_and_renders_turns_with_the_chat_te
         wrong = (target + 1) % 10
         first = await env.step(f"{wrong}<|im_end|>")
         message = "higher" if target > wrong else "lower"
-        assert (first.done, first.reward) == (False, 0.0)
+        assert (first.done, first.reward) == (False, WRONG)
         assert first.observation == tool_observation(tok, message, role="user")
         assert first.observation == f"\n<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n"
         right = await env.step(f"it is {target}<|im_end|>")
@@ -164,3 +165,61 @@ async def test_the_worker_runs_openenv_episodes_token_in_token_out(
             assert (np.diff(s.versions) >= 0).all()
     assert multi_turn >= 4  # most episodes take several turns (3 guesses unless one is right)
     assert stats.turns == sum(s.episode["turns"] for g in groups for s in g.samples)
+
+
+async def test_held_out_evaluation_scores_openenv_episodes_with_the_environment_rewards(
+    model_dir: Path, env_url: str
+) -> None:
+    """The evaluator runs held-out OpenEnv episodes through the same runner, and their score is the
+    environment's rewards (the task's verifier gives 0): recomputed here from each greedy transcript's actions."""
+    import aiohttp
+
+    from rollout_fleet.client import EngineClient, SamplingConfig
+    from rollout_fleet.evaluator import (
+        EvalConfig,
+        Scoring,
+        _answers,
+        eval_reward,
+        evaluate_through_engines,
+        reward_pool,
+    )
+    from rollout_fleet.model import load_tokenizer
+    from rollout_fleet.tasks.config import build_task
+
+    obs = re.compile(
+        r"\n<\|im_start\|>user\n(?:higher|lower|no digit)<\|im_end\|>\n<\|im_start\|>assistant\n"
+    )
+    config = EvalConfig(every_versions=2, heldout_prompts=4, max_new_tokens=160, concurrency=4, poll_s=0.05)
+    task_config = TaskConfig(
+        name="tests.openenv_guess:OneTokenTurns",
+        env_url=env_url,
+        heldout_size=4,
+        env_observation_field="message",
+    )
+    with serving(model_dir) as srv:
+        _, _, rollout = configs(model_dir, [srv.url], task=task_config)
+        tokenizer = load_tokenizer(model_dir)
+        task = build_task(rollout.task, tokenizer)
+        assert isinstance(task, OneTokenTurns)
+        expected = []
+        async with aiohttp.ClientSession() as http:
+            client = EngineClient(http, srv.url, 30.0, 30.0)
+            for i in range(4):
+                prompt = task.make_prompt(i, "test")
+                ((text, _, env),) = await _answers(
+                    client, tokenizer, prompt, SamplingConfig(temperature=0.0), 160, 1, task
+                )
+                target = target_of(prompt.metadata["reset_seed"])
+                actions = obs.split(text)
+                stepped = actions if not actions[-1].endswith("<|endoftext|>") else actions[:-1]
+                replayed = [answer(target, a, k) for k, a in enumerate(stepped, start=1)]
+                assert all(not done for _, _, done in replayed[:-1])
+                expected.append(sum(r for _, r, _ in replayed))
+                assert env == pytest.approx(expected[-1]) and env != 0.0
+        async with reward_pool(rollout) as pool:
+            result = await evaluate_through_engines(
+                [srv.url], task, tokenizer, config, (), Scoring(eval_reward(rollout, config), pool), 30.0
+            )
+    assert result.n == 4
+    assert result.details["greedy_reward"] == pytest.approx(sum(expected) / 4)
+    assert result.greedy_accuracy == pytest.approx(sum(e > 0 for e in expected) / 4)
