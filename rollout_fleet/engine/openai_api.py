@@ -365,8 +365,8 @@ def render_chat(tokenizer: Any, body: dict[str, Any]) -> list[int]:
         "continue_final_message": continue_final,
         **kwargs,
     }
-    if tools:
-        options["tools"] = [t.get("function", t) if isinstance(t, dict) else t for t in tools]
+    if tools:  # OpenAI's {"type": "function", "function": {...}} entries, as HF chat templates take them
+        options["tools"] = tools
     try:
         text = tokenizer.apply_chat_template(rendered, tokenize=False, **options)
     except Exception as exc:  # noqa: BLE001 - a template error is the request's (a role it cannot place)
