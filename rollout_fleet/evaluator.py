@@ -221,9 +221,10 @@ async def _episode_answer(
     sampling: SamplingConfig,
     budget: int,
     rid: str,
-) -> tuple[str, int]:
-    """(transcript, weight version of its last token) of one episode of a multi-turn task, run as the worker
-    runs it (the same runner, the task's environment and turn-end tokens; ``budget`` bounds the whole output)."""
+) -> tuple[str, int, float]:
+    """(transcript, weight version of its last token, the environment's rewards) of one episode of a multi-turn
+    task, run as the worker runs it (the same runner, the task's environment and turn-end tokens; ``budget``
+    bounds the whole output)."""
     ends = {int(tokenizer.convert_tokens_to_ids(t)) for t in task.turn_end_tokens}
     turn_sampling = replace(sampling, stop_token_ids=tuple(sorted(set(sampling.stop_token_ids) | ends)))
 
@@ -246,7 +247,11 @@ async def _episode_answer(
     finally:
         with contextlib.suppress(Exception):
             await env.close()
-    return tokenizer.decode(episode.tokens, skip_special_tokens=False), episode.versions[-1]
+    return (
+        tokenizer.decode(episode.tokens, skip_special_tokens=False),
+        episode.versions[-1],
+        episode.env_reward,
+    )
 
 
 async def _answers(
@@ -257,8 +262,11 @@ async def _answers(
     budget: int,
     count: int,
     task: Task | None = None,
-) -> list[tuple[str, int]]:
-    """(text, weight version) of ``count`` answers to one prompt; several go as one batched request."""
+) -> list[tuple[str, int, float]]:
+    """(text, weight version, environment reward) of ``count`` answers to one prompt (the reward is 0.0 but
+    for episodes); several single-turn answers go as one batched request."""
+    if isinstance(task, EnvironmentTask):
+        prompt = await task.prepare_prompt(prompt)
     ids = tokenizer(prompt.text, add_special_tokens=False).input_ids
     rid = f"eval-t{sampling.temperature:g}-{prompt.index}-{time.monotonic_ns()}"
     if isinstance(task, EnvironmentTask):
@@ -274,7 +282,17 @@ async def _answers(
         rids = [f"{rid}-{i}" for i in range(count)]
         results = await client.generate_batch(build_group_request(ids, sampling, budget, rids))
     # decoded as the rollout worker decodes (special tokens kept): the reward sees what it sees in training
-    return [(tokenizer.decode(r.output_ids, skip_special_tokens=False), r.weight_version) for r in results]
+    return [
+        (tokenizer.decode(r.output_ids, skip_special_tokens=False), r.weight_version, 0.0) for r in results
+    ]
+
+
+def with_env_reward(result: RewardResult, env_reward: float) -> RewardResult:
+    """An episode's score as the worker records it: the environment's rewards added, as component ``env``."""
+    if not env_reward or result.status != "ok":
+        return result
+    components = {**result.components, "env": env_reward}
+    return replace(result, reward=result.reward + env_reward, components=components)
 
 
 async def evaluate_through_engines(
@@ -310,7 +328,10 @@ async def evaluate_through_engines(
                 answers = await _answers(
                     clients[k % len(clients)], tokenizer, prompt, sampling, config.max_new_tokens, count, task
                 )
-            return [(await scoring.score(prompt, text), version) for text, version in answers]
+            return [
+                (with_env_reward(await scoring.score(prompt, text), env), version)
+                for text, version, env in answers
+            ]
 
         greedy_runs = asyncio.gather(*(run(k, p, greedy, 1) for k, p in enumerate(prompts)))
         sampled_runs = asyncio.gather(*(run(k, p, sampled, samples) for k, p in enumerate(prompts)))

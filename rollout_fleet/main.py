@@ -124,6 +124,9 @@ async def open_worker(
         task.sandbox = rollout.sandbox
         if task.uses_sandbox:  # refuse to start with isolation the config asks for and the host cannot give
             log.info("tool sandbox: %s", await check_sandbox(rollout.sandbox))
+        checked = await task.check()  # e.g. an OpenEnv server that does not answer: a clear error now
+        if checked:
+            log.info("environment: %s", checked)
     client: aioredis.Redis = connect(redis_url, broker)
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     rewards = RewardPool(

@@ -425,6 +425,16 @@ class RolloutWorker:
     async def _generate_group(self, lease: Lease, group_id: str) -> TrajectoryGroup:
         try:
             prompt = self.task.make_prompt(lease.prompt_index, TRAIN)
+        except Exception as exc:  # noqa: BLE001 - a bad prompt is dropped, never retried forever
+            raise GroupAbandoned("bad_prompt", DROP, f"{type(exc).__name__}: {exc}") from exc
+        if isinstance(self.task, EnvironmentTask):
+            try:  # the first observation of a remote environment (OpenEnv) is the prompt's text
+                prompt = await self.task.prepare_prompt(prompt)
+            except Exception as exc:  # noqa: BLE001 - the environment's failure, not the model's
+                raise GroupAbandoned(
+                    "env_error", DROP, f"prepare_prompt: {type(exc).__name__}: {exc}"
+                ) from exc
+        try:
             prompt_ids = self._encode(prompt)
         except Exception as exc:  # noqa: BLE001 - a bad prompt is dropped, never retried forever
             raise GroupAbandoned("bad_prompt", DROP, f"{type(exc).__name__}: {exc}") from exc

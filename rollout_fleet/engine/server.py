@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +34,7 @@ from typing import Any
 from aiohttp import web
 
 from broker.prometheus import metrics_route
-from rollout_fleet.engine import protocol
+from rollout_fleet.engine import openai_api, protocol
 from rollout_fleet.engine.core import Engine
 from rollout_fleet.engine.protocol import (
     HEALTH_CHECK_RID_PREFIX,
@@ -161,6 +161,9 @@ class EngineServer:
         self.live_rids: set[str] = set()
         self.started = time.time()
         self._pause_cond = asyncio.Condition()
+        self._chat_stop_ids: list[int] | None = (
+            None  # the chat template's end-of-turn ids, found on first use
+        )
 
     def make_app(self, extensions: Iterable[Extension] = ()) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
@@ -168,6 +171,9 @@ class EngineServer:
         add = app.router.add_route
         for method in ("POST", "PUT"):
             add(method, "/generate", self.generate)
+        add("POST", "/v1/completions", self.completions)
+        add("POST", "/v1/chat/completions", self.chat_completions)
+        add("GET", "/v1/models", self.models)
         for path in ("/health", "/health_generate"):
             add("GET", path, self.health)
         add("GET", "/ready", self.ready)
@@ -268,17 +274,26 @@ class EngineServer:
             protocol.check_contract(body)
         except ContractError as exc:
             return json_response({"error": str(exc)}, 400)
+        return await self._admitted(lambda: self._generate_locked(request, body), error_response)
+
+    async def _admitted(
+        self,
+        run: Callable[[], Awaitable[web.StreamResponse]],
+        error: Callable[[str, int], web.Response],
+    ) -> web.StreamResponse:
+        """Run a generation handler as SGLang admits one: after the pause gate, refused while shutting down,
+        inside a reader of the model-update lock (so an abort-mode pause returns after its answer is out)."""
         try:
             await self._wait_unpaused()
         except TimeoutError:
-            return error_response("the engine stayed paused past the request timeout", 503)
+            return error("the engine stayed paused past the request timeout", 503)
         if self.shutting_down:
-            return error_response("the engine is shutting down", 503)
+            return error("the engine is shutting down", 503)
         try:
             async with self.update_lock.reader(self.settings.request_timeout_s):
-                return await self._generate_locked(request, body)
+                return await run()
         except TimeoutError:
-            return error_response("timed out waiting for a weight update to finish", 503)
+            return error("timed out waiting for a weight update to finish", 503)
 
     def _check_lora_path(self, lora_path: Any) -> None:
         """SGLang refuses a request whose ``lora_path`` names an adapter it has not loaded (or has unloaded);
@@ -309,13 +324,19 @@ class EngineServer:
             if body.get("stream") is True:
                 return await self._stream_error(request, str(exc))
             return error_response(str(exc))
+        if call.stream:
+            return await self._submitted(call, lambda queue: self._stream(request, call, queue))
+        return await self._submitted(call, lambda queue: self._complete(request, call, queue))
+
+    async def _submitted(
+        self, call: GenerateCall, answer: Callable[[asyncio.Queue], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Submit a call's items to the scheduler (one batch) and answer from their snapshots' queue."""
         queue: asyncio.Queue = asyncio.Queue()
         self.live_rids.update(item.rid for item in call.items)
         self.engine.submit_batch([(item, self._sink(queue, i)) for i, item in enumerate(call.items)])
         try:
-            if call.stream:
-                return await self._stream(request, call, queue)
-            return await self._complete(request, call, queue)
+            return await answer(queue)
         finally:
             self.live_rids.difference_update(i.rid for i in call.items)
 
@@ -332,9 +353,8 @@ class EngineServer:
                 self.engine.abort(item.rid)
             return await asyncio.wait_for(queue.get(), self.settings.control_timeout_s)
 
-    async def _complete(
-        self, request: web.Request, call: GenerateCall, queue: asyncio.Queue
-    ) -> web.StreamResponse:
+    async def _finished(self, call: GenerateCall, queue: asyncio.Queue) -> list[RequestSnapshot]:
+        """Every item's final snapshot, in item order."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.request_timeout_s
         results: list[RequestSnapshot | None] = [None] * len(call.items)
@@ -344,17 +364,26 @@ class EngineServer:
             if snap.finished and results[position] is None:
                 results[position] = snap
                 remaining -= 1
-        final = [r for r in results if r is not None]
+        return [r for r in results if r is not None]
+
+    @staticmethod
+    async def _write(request: web.Request, response: web.Response) -> web.Response:
+        # Written before the reader lock is released: a pause in abort mode returns after the answers are out.
+        await response.prepare(request)
+        await response.write_eof()
+        return response
+
+    async def _complete(
+        self, request: web.Request, call: GenerateCall, queue: asyncio.Queue
+    ) -> web.StreamResponse:
+        final = await self._finished(call, queue)
         failed = next((s for s in final if protocol.error_status(s)), None)
         if failed is not None:
             response = error_response(failed.finish_reason["message"], protocol.error_status(failed) or 500)
         else:
             bodies = [self._response_dict(call, s) for s in final]
             response = json_response(bodies if call.is_batch else bodies[0])
-        # Written before the reader lock is released: a pause in abort mode returns after the answers are out.
-        await response.prepare(request)
-        await response.write_eof()
-        return response
+        return await self._write(request, response)
 
     async def _stream(
         self, request: web.Request, call: GenerateCall, queue: asyncio.Queue
@@ -398,6 +427,72 @@ class EngineServer:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    # -- OpenAI-compatible /v1/completions and /v1/chat/completions (openai_api) ---------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, "completion")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, "chat")
+
+    async def models(self, request: web.Request) -> web.Response:
+        name = self.engine.served_model_name
+        card = {
+            "id": name,
+            "object": "model",
+            "created": int(self.started),
+            "owned_by": "sglang",
+            "root": name,
+        }
+        card["max_model_len"] = self.engine.context_len
+        return json_response({"object": "list", "data": [card]})
+
+    def _parse_openai(self, kind: str, body: Any) -> openai_api.OpenAICall:
+        engine = self.engine
+        common = {
+            "encode": engine.encode,
+            "vocab_size": engine.vocab_size,
+            "context_len": engine.context_len,
+            "model": engine.served_model_name,
+        }
+        if kind == "completion":
+            return openai_api.parse_completion(body, **common)
+        if self._chat_stop_ids is None:
+            self._chat_stop_ids = openai_api.end_of_turn_ids(engine.tokenizer)
+        return openai_api.parse_chat(body, tokenizer=engine.tokenizer, stop_ids=self._chat_stop_ids, **common)
+
+    async def _openai(self, request: web.Request, kind: str) -> web.StreamResponse:
+        """Translate to /generate items (openai_api), run them through the same gate, lock and scheduler as
+        /generate, and answer with the OpenAI object (token ids and log-probs included)."""
+
+        def error(message: str, status: int = 400, param: str | None = None) -> web.Response:
+            return json_response(openai_api.error_body(message, param, status), status)
+
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return error(f"request body is not valid JSON: {exc}")
+        try:
+            parsed = self._parse_openai(kind, body)
+            clash = next((i.rid for i in parsed.call.items if i.rid in self.live_rids), None)
+            if clash is not None:
+                raise openai_api.OpenAIRequestError(
+                    f"Duplicate request ID: {clash!r} is already in flight", "rid"
+                )
+        except openai_api.OpenAIRequestError as exc:
+            return error(str(exc), 400, exc.param)
+
+        async def answer(queue: asyncio.Queue) -> web.StreamResponse:
+            final = await self._finished(parsed.call, queue)
+            failed = next((s for s in final if protocol.error_status(s)), None)
+            if failed is not None:
+                status = protocol.error_status(failed) or 500
+                return await self._write(request, error(failed.finish_reason["message"], status))
+            body = openai_api.build_response(parsed, final, self.engine.decode)
+            return await self._write(request, json_response(body))
+
+        return await self._admitted(lambda: self._submitted(parsed.call, answer), error)
 
     # -- health and info ----------------------------------------------------------------------------------------
 

@@ -76,6 +76,17 @@ class EnvironmentTask(Task):
     def make_env(self, prompt: Prompt) -> Environment:
         """A fresh environment for one sample of ``prompt``."""
 
+    async def prepare_prompt(self, prompt: Prompt) -> Prompt:
+        """The prompt as the engine receives it, awaited once per group before it is tokenised: a task whose
+        first observation comes from a remote environment (OpenEnv) fills its text in here. Every sample's
+        ``reset()`` must return this text."""
+        return prompt
+
+    async def check(self) -> str | None:
+        """At worker start: raise (TaskError) when what the environments need is unreachable; a line for the
+        log, or None when there is nothing to check."""
+        return None
+
 
 def is_multi_turn(task: Task) -> bool:
     """Whether the worker runs this task's samples as episodes."""

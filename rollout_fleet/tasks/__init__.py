@@ -53,6 +53,7 @@ _REGISTRY: dict[str, str | Callable[..., Task]] = {
     "long_multiplication": "rollout_fleet.tasks.long_multiplication:LongMultiplicationTask",
     "dataset": "rollout_fleet.tasks.dataset:DatasetTask",
     "tool_arithmetic": "rollout_fleet.tasks.tool_arithmetic:ToolArithmeticTask",
+    "openenv": "rollout_fleet.envs.openenv:OpenEnvTask",
 }
 
 

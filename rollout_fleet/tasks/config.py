@@ -16,7 +16,7 @@ class TaskConfig(Section):
     name: str = Field(
         "arithmetic",
         description="Task: arithmetic, long_multiplication, gsm8k, countdown, dataset, tool_arithmetic (multi-turn, "
-        "a calculator tool), or package.module:Class.",
+        "a calculator tool), openenv (an OpenEnv server, task.env_url), or package.module:Class.",
     )
     seed: int | None = Field(
         None, ge=0, description="Seed of generated prompts (arithmetic, long_multiplication, countdown)."
@@ -68,6 +68,23 @@ class TaskConfig(Section):
         None, description="System message added when a plain prompt is templated."
     )
     instruction: str | None = Field(None, description="Text appended on a new line to every dataset prompt.")
+    env_url: str | None = Field(
+        None,
+        description="openenv: URL of the OpenEnv environment server (http://host:port); checked at start.",
+    )
+    env_action_field: str | None = Field(
+        None, description="openenv: the action field that receives the model's turn text (default message)."
+    )
+    env_observation_field: str | None = Field(
+        None,
+        description="openenv: the observation field shown to the model (default: the whole observation as JSON).",
+    )
+    env_observation_role: str | None = Field(
+        None, description="openenv: chat role of the observation messages after the first (default user)."
+    )
+    env_timeout_s: float | None = Field(
+        None, gt=0, description="openenv: seconds to connect and for each reset / step answer (default 30)."
+    )
     use_all: bool | None = Field(
         None, description="Countdown: every number must be used (default: at most once)."
     )
