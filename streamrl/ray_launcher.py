@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("streamrl.ray")
 
 HEAD_RESOURCE = "node:__internal_head__"  # every Ray head node has it
-POLL_S = 0.5  # how often a remote process is asked whether it exited
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 LOST = -int(signal.SIGKILL)
 PLACEMENT_FILE = "placement.json"  # RUN_DIR/placement.json: node, address and pid of each role process  # the exit code of a process whose actor (or node) died
@@ -115,6 +114,12 @@ class RoleActor:
     def poll(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
+    def wait_exit(self) -> int | None:
+        """Block (on one of the actor's threads) until the role process exits; its exit code. The supervisor
+        holds one such call per role and checks it locally, instead of asking every few tenths of a second: a
+        Ray call costs CPU in the raylet and in the actor, which on a small machine the roles need."""
+        return None if self.process is None else self.process.wait()
+
     def signal(self, sig: int) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(sig)
@@ -147,21 +152,15 @@ class RemoteProcess:
         self.ray, self.actor, self.pid, self.where, self.argv = ray, actor, pid, where, argv
         self.returncode: int | None = None
         self.exit_note: str | None = None
-        self._pending: Any = None
-        self._next_poll = 0.0
+        self._exit = actor.wait_exit.remote()  # resolves when the process exits, or fails with its actor
 
     def poll(self) -> int | None:
         if self.returncode is not None:
             return self.returncode
-        if self._pending is None:
-            if time.monotonic() < self._next_poll:
-                return None
-            self._pending = self.actor.poll.remote()
-        ready, _ = self.ray.wait([self._pending], timeout=0)
+        ready, _ = self.ray.wait([self._exit], timeout=0)  # a local check: no call to the actor
         if not ready:
             return None
-        ref, self._pending = self._pending, None
-        self._next_poll = time.monotonic() + POLL_S
+        ref = self._exit
         try:
             code = self.ray.get(ref)
         except self.ray.exceptions.RayError as exc:
@@ -279,7 +278,8 @@ class RayLauncher:
                     include_dashboard=False,
                     **common,
                 )
-        self.remote_actor = ray.remote(max_concurrency=1, max_restarts=0)(RoleActor)
+        # threads: wait_exit blocks one for the process's lifetime, signal and poll take the others
+        self.remote_actor = ray.remote(max_concurrency=4, max_restarts=0)(RoleActor)
         nodes = [n for n in ray.nodes() if n["Alive"]]
         heads = [n for n in nodes if HEAD_RESOURCE in n["Resources"]]
         self.head_ip = (heads or nodes)[0]["NodeManagerAddress"]
