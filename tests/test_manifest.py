@@ -120,7 +120,7 @@ def test_every_built_in_task_has_a_version() -> None:
     for name in available_tasks():
         info = m.task_info(name, {})
         assert info["version"] and info["version"] == str(task_factory(name).version), name
-        assert info["class"].startswith("rollout_fleet.tasks.")
+        assert info["class"].startswith(("rollout_fleet.tasks.", "rollout_fleet.envs."))
 
 
 def test_reward_record_names_the_custom_function_or_the_task_verifier(tmp_path: Path) -> None:
