@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -37,17 +36,16 @@ from rollout_fleet.model import (
     build_model,
     build_tokenizer,
     cache_root,
-    save_model_dir,
 )
 from rollout_fleet.tasks import TEST, Prompt
 from rollout_fleet.tasks.long_multiplication import LongMultiplicationTask
 from rollout_fleet.warmstart import (
-    MARKER,
     SEED_STRIDE,
     TrainLog,
     _stderr,
     build_once,
     lr_at,
+    publish_model_dir,
     step_loss,
 )
 
@@ -315,8 +313,4 @@ def _build(
         "cpu_seconds": round(time.process_time() - cpu_started, 2),
         "torch_threads": torch.get_num_threads(),
     }
-    staging = save_model_dir(model, tokenizer, path.with_name(path.name + ".staging"))
-    (staging / MARKER).write_text(json.dumps(record, indent=1))
-    if path.exists():
-        shutil.rmtree(path)
-    staging.rename(path)
+    publish_model_dir(model, tokenizer, path, record)

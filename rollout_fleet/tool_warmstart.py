@@ -23,7 +23,6 @@ import hashlib
 import json
 import math
 import random
-import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -36,10 +35,10 @@ import torch
 from rollout_fleet.envs.episode import Episode, EpisodeBudgets, TurnOutput, run_episode
 from rollout_fleet.envs.tools import tool_observation
 from rollout_fleet.evaluation import generate_ids
-from rollout_fleet.model import TinyModelSpec, build_model, build_tokenizer, cache_root, save_model_dir
+from rollout_fleet.model import TinyModelSpec, build_model, build_tokenizer, cache_root
 from rollout_fleet.tasks import TEST, Prompt
 from rollout_fleet.tasks.tool_arithmetic import ToolArithmeticTask
-from rollout_fleet.warmstart import MARKER, build_once
+from rollout_fleet.warmstart import MARKER, build_once, publish_model_dir
 
 EVAL_MAX_TURNS = 4  # a reference episode has two turns; four leave room for a repeated call
 EVAL_MAX_TOKENS = 64  # the longest reference episode's model tokens are under 40
@@ -396,11 +395,7 @@ def _build(
         "total_seconds": round(time.monotonic() - started, 2),
         "torch_threads": torch.get_num_threads(),
     }
-    staging = save_model_dir(model, tokenizer, path.with_name(path.name + ".staging"))
-    (staging / MARKER).write_text(json.dumps(record, indent=1))
-    if path.exists():
-        shutil.rmtree(path)
-    staging.rename(path)
+    publish_model_dir(model, tokenizer, path, record)
 
 
 def _stderr(line: str) -> None:

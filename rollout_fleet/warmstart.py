@@ -324,6 +324,12 @@ def _build(
         "cpu_seconds": round(time.process_time() - cpu_started, 2),  # what a quiet core would take
         "torch_threads": torch.get_num_threads(),
     }
+    publish_model_dir(model, tokenizer, path, record)
+
+
+def publish_model_dir(model: Any, tokenizer: Any, path: Path, record: dict[str, Any]) -> None:
+    """Write a warm-started model with its ``warmstart.json`` beside ``path``, then rename it into place, so a
+    reader never sees a half-written directory."""
     staging = save_model_dir(model, tokenizer, path.with_name(path.name + ".staging"))
     (staging / MARKER).write_text(json.dumps(record, indent=1))
     if path.exists():
