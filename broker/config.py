@@ -141,13 +141,18 @@ class ArchiveConfig(Section):
         description="Longest a finished group waits in memory before its part is written, seconds.",
     )
     poll_s: float = Field(
-        1.0, gt=0, description="How often the archiver reads the stream and the learner's outcomes, seconds."
+        1.0,
+        gt=0,
+        description="The archiver reads the stream and the learner's outcomes once per this many seconds.",
+    )
+    read_count: int = Field(
+        512, ge=1, description="Most entries the archiver reads from the stream in one round."
     )
     recent: int = Field(
         24, ge=0, description="Latest samples kept in Redis for the dashboard's live sample viewer (0: none)."
     )
     nice: int = Field(
-        10,
+        19,
         ge=0,
         le=19,
         description="Nice increment of the archiver process, so it never takes CPU from the learner.",

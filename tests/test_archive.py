@@ -272,3 +272,32 @@ def test_the_archive_is_logged_as_a_wandb_artifact(tmp_path: Path) -> None:
         time.sleep(0.2)
     record = log.read_bytes()
     assert b"wbtest-trajectories" in record and b"part-000000.parquet" in record
+
+
+def test_the_archiver_reads_once_per_poll_however_fast_groups_arrive(tmp_path: Path, redis_url: str) -> None:
+    """One round per ``archive.poll_s``: a read that finds entries returns at once, and waking for every group
+    would cost the Redis server and the archiver a round of calls per group (counted by Redis itself)."""
+    broker, poll_s, n = _broker(), 0.5, 30
+    raw = redis.Redis.from_url(redis_url)
+
+    async def go() -> float:
+        arch, client = _archiver(redis_url, broker, tmp_path / "a")
+        arch.config = arch.config.model_copy(update={"poll_s": poll_s})
+        await arch.start()
+        raw.config_resetstat()
+        stop = asyncio.Event()
+        started = time.monotonic()
+        rounds = asyncio.create_task(archive.archive_rounds(arch, stop, poll_s))
+        for i in range(n):  # a group every 50 ms, as a busy fleet produces them
+            await _produce(redis_url, broker, 1, start=i)
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(poll_s + 0.2)
+        stop.set()
+        await rounds
+        assert len(arch.waiting) == n  # every group read (none decided yet)
+        await client.aclose()
+        return time.monotonic() - started
+
+    elapsed = asyncio.run(go())
+    calls = int(raw.info("commandstats")["cmdstat_xreadgroup"]["calls"])
+    assert 2 <= calls <= elapsed / poll_s + 2, (calls, elapsed)
