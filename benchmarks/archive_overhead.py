@@ -7,17 +7,20 @@ Each pair runs the default recipe (warm-started model, eta 1) once with ``archiv
 alternating order (on-off, off-on, ...) so a drift of the machine does not favour one side. Measured per run:
 the learner's seconds per step (its training time, summary.json ``learner_train_seconds`` / steps: the
 archiver must not slow the learner) and its step wall time (waiting for data included). With the archiver on,
-also: archive rows (parts plus the pending snapshot) against the samples generated into the stream (summary
+also: the archiver's own CPU seconds while training ran (summary.json ``archive.cpu_s``) as a share of the
+cores' time, archive rows (parts plus the pending snapshot) against the samples generated into the stream (summary
 ``audit.produced`` x group size), and the archive's bytes per sample.
 
 Headline numbers (declared before any run): ``ratio_learner_step_seconds_on_vs_off`` = mean learner seconds per
 step over the runs with the archive / over the runs without (target <= 1.05), the per-pair ratios beside it;
-``archive_rows_equal_samples_generated`` (every on-run); ``archive_bytes_per_sample``.
+``archive_rows_equal_samples_generated`` (every on-run); ``archive_bytes_per_sample``. Beside them:
+``ratio_per_pair_stderr`` (the noise) and ``archiver_cpu_share``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -62,6 +65,10 @@ def one(run_dir: Path, steps: int, model: Path, archive: bool) -> dict[str, Any]
     }
     if archive:
         out.update(archive_figures(run_dir, summary))
+        # the archiver's own CPU time while training ran, against what the machine's cores offered meanwhile
+        cpu_s = summary["archive"]["cpu_s"]
+        out["archiver_cpu_seconds"] = cpu_s
+        out["archiver_cpu_share"] = cpu_s / (summary["training_wall_seconds"] * (os.cpu_count() or 1))
     return out
 
 
@@ -104,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_per_pair": per_pair,
         "archive_rows_equal_samples_generated": all(r["rows_equal_generated"] for r in on),
         "archive_bytes_per_sample": statistics.fmean(r["bytes_per_sample"] for r in on),
+        "archiver_cpu_share": statistics.fmean(r["archiver_cpu_share"] for r in on),
+        # the noise: the standard error of the per-pair ratios (a pair's two runs share the machine's state)
+        "ratio_per_pair_stderr": statistics.stdev(per_pair) / len(per_pair) ** 0.5 if pairs > 1 else None,
     }
     doc = write_result(
         args.out, "archive_overhead", mode, {"pairs": pairs, "steps": steps, "eta": 1, "group_size": GROUP_SIZE},

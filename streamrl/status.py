@@ -58,6 +58,14 @@ class StatusReader:
                 total[k] = total.get(k, 0.0) + v
         return total
 
+    def archive_totals(self) -> dict[str, float] | None:
+        """The archiver's counters as it last wrote them (groups, rows, parts, bytes, waiting, its CPU seconds
+        ``cpu_s``); None when no archiver ran."""
+        if self.client is None:
+            return None
+        fields = self.client.hgetall(self.keys.archive_status)
+        return _numbers(fields) if fields else None
+
     def backlog(self) -> int:
         if self.client is None:
             return 0
@@ -110,9 +118,14 @@ class StatusReader:
             rollout = self.rollout_totals()
         except (redis.RedisError, OSError):
             rollout = {}
+        try:
+            archive = self.archive_totals()  # while training ran: the final part is written at the stop
+        except (redis.RedisError, OSError):
+            archive = None
         return {
             **self.learner_aggregates(),
             "episodes": episode_totals(rollout),
+            "archive": archive,
             "audit": self.audit(),
             **self.best_evaluation(),
             "first_request_at": float(first) if first else None,
