@@ -1,0 +1,209 @@
+"""The verifiers side of the ``verifiers`` adapter: imported only where verifiers is installed (the
+``verifiers`` extra; see :mod:`rollout_fleet.envs.verifiers_env` for the streamrl side and the design).
+
+verifiers (v1 API, 0.4.0) owns the control flow of an episode: ``Env.run_episode`` runs the env's ``run()``,
+whose agents run a harness program that calls a model through verifiers' interception server, which hands each
+call to a :class:`verifiers.v1.Client`. streamrl owns generation (token-in / token-out with the engine). The
+bridge inverts the call: :class:`BridgeClient` is that Client, and its ``get_response`` does not call a model; it
+puts the conversation on the episode's :class:`Channel` and waits for streamrl's episode loop to answer with the
+model's turn. So verifiers' rollout runs unchanged (harness, hooks, ``@stop``s, scoring) while streamrl
+generates and trains on the engine's own ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import verifiers.v1 as vf
+from verifiers.v1.clients.train import serialize_completion, tool_to_wire
+from verifiers.v1.dialects import ChatDialect
+from verifiers.v1.dialects.chat import message_to_wire
+from verifiers.v1.errors import ProviderError
+from verifiers.v1.interception import InterceptionServer
+
+# The ModelContext every bridged rollout runs under. Its client config is a sentinel: nothing is ever sent to
+# this URL; the interception server finds the BridgeClient registered under this config's JSON instead.
+MODEL = "streamrl-policy"
+BRIDGE_CLIENT = vf.EvalClientConfig(base_url="http://streamrl-bridge.invalid/v1", api_key_var="STREAMRL_BRIDGE")
+CONTEXT = vf.ModelContext(model=MODEL, client=BRIDGE_CLIENT)
+
+
+@dataclass
+class ModelCall:
+    """One model call of the verifiers rollout, waiting for streamrl's answer (the turn's text)."""
+
+    messages: list[dict[str, Any]]  # the whole conversation as chat wire dicts
+    tools: list[dict[str, Any]] | None
+    answer: asyncio.Future[str]
+
+
+@dataclass
+class Finished:
+    """The verifiers rollout returned: its episode (traces, rewards, errors)."""
+
+    episode: Any
+
+
+@dataclass
+class Channel:
+    """One streamrl episode's link to one verifiers rollout: model calls and the end come out of ``events``."""
+
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    trace_ids: list[str] = field(default_factory=list)
+    policy_trace: str | None = None  # the trace whose model calls streamrl answers
+    runner: asyncio.Task | None = None
+
+
+class BridgeClient(vf.Client):
+    """The verifiers Client of every bridged rollout: routes each call by trace id to its episode's channel."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, Channel] = {}
+
+    async def get_response(
+        self,
+        dialect: Any,
+        body: dict,
+        sampling: Any,
+        session_id: str | None = None,
+        turn: Any = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> vf.Response:
+        channel = self.routes.get(session_id or "")
+        if channel is None:
+            raise ProviderError(f"streamrl bridge: no episode for trace {session_id!r}", status_code=400)
+        if channel.policy_trace not in (None, session_id):
+            # a second agent of the episode calls the policy: its turns are not part of the one token sequence
+            raise ProviderError(
+                "streamrl bridge: a second agent of this episode called the policy model; multi-agent episodes "
+                "are not supported (pin the other agents' client/model in the verifiers env config)",
+                status_code=400,
+            )
+        if not isinstance(dialect, ChatDialect):
+            raise ProviderError(
+                f"streamrl bridge: only the chat-completions dialect is bridged, not {type(dialect).__name__}",
+                status_code=400,
+            )
+        channel.policy_trace = session_id
+        request = dialect.parse_request(body)
+        call = ModelCall(
+            [message_to_wire(m) for m in request.messages],
+            [tool_to_wire(t) for t in request.tools] if request.tools else None,
+            asyncio.get_running_loop().create_future(),
+        )
+        channel.events.put_nowait(call)
+        content = await call.answer
+        response = vf.Response(
+            id=f"streamrl-{session_id}-{len(request.messages)}",
+            created=0,
+            model=MODEL,
+            message=vf.AssistantMessage(content=content),
+            finish_reason="stop",
+        )
+        response.raw = serialize_completion(response, MODEL)  # what the harness's OpenAI SDK receives
+        return response
+
+
+class Runner:
+    """A loaded verifiers Env served on one event loop (its shared tools and one interception server whose
+    model client is the :class:`BridgeClient`), starting one verifiers rollout per streamrl episode."""
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+        self.client = BridgeClient()
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock: asyncio.Lock | None = None
+
+    async def _serve(self) -> None:
+        """Enter ``env.serving()`` once per event loop (a worker has one; tests have one per test)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._loop, self._lock, self._stack = loop, asyncio.Lock(), None
+        assert self._lock is not None
+        async with self._lock:
+            if self._stack is not None:
+                return
+            stack = contextlib.AsyncExitStack()
+            await stack.enter_async_context(self.env.serving())
+            interception = getattr(self.env, "_interception", None)
+            if not isinstance(interception, InterceptionServer):
+                await stack.aclose()
+                raise RuntimeError(
+                    "the verifiers env is not served by one InterceptionServer (env.interception.type must be "
+                    f"'server'; got {type(interception).__name__}); the adapter is tested with verifiers 0.4.0"
+                )
+            # InterceptionServer._client looks up its clients by config JSON before building one: registering
+            # the bridge under the sentinel config routes every unpinned agent's calls to streamrl.
+            interception.clients[BRIDGE_CLIENT.model_dump_json()] = self.client
+            self._stack = stack
+
+    async def start(self, task: Any) -> Channel:
+        """Start one rollout of the verifiers ``task``; its model calls and its end arrive on the channel."""
+        await self._serve()
+        channel = Channel()
+
+        def claim(trace: Any) -> None:
+            channel.trace_ids.append(trace.id)
+            self.client.routes[trace.id] = channel
+
+        async def run() -> None:
+            try:
+                episode = await self.env.run_episode(task, CONTEXT, on_trace=claim)
+            except Exception as exc:  # noqa: BLE001 - handed to the episode, which reports it
+                channel.events.put_nowait(exc)
+            else:
+                channel.events.put_nowait(Finished(episode))
+
+        channel.runner = asyncio.get_running_loop().create_task(run())
+        return channel
+
+    async def stop(self, channel: Channel) -> None:
+        """Cancel the rollout if it still runs (streamrl ended the episode: EOS, a budget, a drop)."""
+        for trace_id in channel.trace_ids:
+            self.client.routes.pop(trace_id, None)
+        runner, channel.runner = channel.runner, None
+        if runner is not None and not runner.done():
+            runner.cancel()
+            with contextlib.suppress(BaseException):
+                await runner
+
+    async def aclose(self) -> None:
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            await stack.aclose()
+
+
+def load_env(taskset: str, env_id: str | None, config: dict[str, Any]) -> Any:
+    """The verifiers Env for ``taskset`` (a taskset id: an installed package or a module path), paired with the
+    env ``env_id`` when given, configured by ``config`` (the rest of verifiers' ``[env]`` block). One
+    interception server serves the worker (``interception.type = server``)."""
+    data = {**config, "taskset": {**config.get("taskset", {}), "id": taskset}}
+    if env_id:
+        data["id"] = env_id
+    data["interception"] = {**config.get("interception", {}), "type": "server"}
+    return vf.load_environment(vf.resolve_env_config(data))
+
+
+def task_list(env: Any, count: int) -> list[Any]:
+    """The first ``count`` tasks of the env's taskset (an infinite taskset is cut)."""
+    return list(env.taskset.take(count))
+
+
+def episode_reward(episode: Any) -> tuple[float, dict[str, float], int]:
+    """(reward, its components, model turns) of a finished verifiers episode with one trace; ValueError with
+    verifiers' own message for a failed episode."""
+    if not episode.ok or episode.errors:
+        errors = list(episode.errors) + [e for t in episode.traces for e in getattr(t, "errors", [])]
+        detail = "; ".join(f"{e.type}: {e.message}" for e in errors) or "not ok"
+        raise ValueError(f"the verifiers episode failed: {detail}")
+    if len(episode.traces) != 1:
+        raise ValueError(f"the verifiers episode has {len(episode.traces)} traces; one agent is supported")
+    (trace,) = episode.traces
+    components = {name: float(r.value) for name, r in trace.rewards.items() if r is not None}
+    return float(trace.reward), components, int(trace.num_turns)
+
