@@ -115,32 +115,39 @@ class Runner:
     def __init__(self, env: Any) -> None:
         self.env = env
         self.client = BridgeClient()
-        self._stack: contextlib.AsyncExitStack | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._lock: asyncio.Lock | None = None
+        self._serving: asyncio.Task | None = None
+        self._ready: asyncio.Future | None = None
 
     async def _serve(self) -> None:
-        """Enter ``env.serving()`` once per event loop (a worker has one; tests have one per test)."""
+        """Serve the env on this event loop (a worker has one; tests have one per test), once."""
         loop = asyncio.get_running_loop()
-        if self._loop is not loop:
-            self._loop, self._lock, self._stack = loop, asyncio.Lock(), None
-        assert self._lock is not None
-        async with self._lock:
-            if self._stack is not None:
-                return
-            stack = contextlib.AsyncExitStack()
-            await stack.enter_async_context(self.env.serving())
-            interception = getattr(self.env, "_interception", None)
-            if not isinstance(interception, InterceptionServer):
-                await stack.aclose()
-                raise RuntimeError(
-                    "the verifiers env is not served by one InterceptionServer (env.interception.type must be "
-                    f"'server'; got {type(interception).__name__}); the adapter is tested with verifiers 0.4.0"
-                )
-            # InterceptionServer._client looks up its clients by config JSON before building one: registering
-            # the bridge under the sentinel config routes every unpinned agent's calls to streamrl.
-            interception.clients[BRIDGE_CLIENT.model_dump_json()] = self.client
-            self._stack = stack
+        if self._serving is None or self._serving.get_loop() is not loop or self._serving.done():
+            self._ready = loop.create_future()
+            self._serving = loop.create_task(self._hold(self._ready))
+        assert self._ready is not None
+        await asyncio.shield(self._ready)
+
+    async def _hold(self, ready: asyncio.Future) -> None:
+        """``env.serving()`` held open by a task of its own until the loop ends (its cancellation unwinds the
+        context properly, which an exit stack left open at loop shutdown would not)."""
+        try:
+            async with self.env.serving():
+                interception = getattr(self.env, "_interception", None)
+                if not isinstance(interception, InterceptionServer):
+                    raise RuntimeError(
+                        "the verifiers env is not served by one InterceptionServer (env.interception.type must "
+                        f"be 'server'; got {type(interception).__name__}); the adapter is tested with 0.4.0"
+                    )
+                # InterceptionServer._client looks its clients up by config JSON before building one:
+                # registering the bridge under the sentinel config routes every unpinned agent's calls here.
+                interception.clients[BRIDGE_CLIENT.model_dump_json()] = self.client
+                ready.set_result(None)
+                await asyncio.Event().wait()
+        except Exception as exc:  # noqa: BLE001 - handed to whoever waits for the env to be served
+            if not ready.done():
+                ready.set_exception(exc)
+            else:
+                raise
 
     async def start(self, task: Any) -> Channel:
         """Start one rollout of the verifiers ``task``; its model calls and its end arrive on the channel."""
@@ -171,11 +178,6 @@ class Runner:
             runner.cancel()
             with contextlib.suppress(BaseException):
                 await runner
-
-    async def aclose(self) -> None:
-        if self._stack is not None:
-            stack, self._stack = self._stack, None
-            await stack.aclose()
 
 
 def load_env(taskset: str, env_id: str | None, config: dict[str, Any]) -> Any:
