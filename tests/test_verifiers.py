@@ -33,7 +33,11 @@ async def run_in_verifiers_venv(*args: str, timeout: float = 180.0) -> str:
     stdout, or a failure with both streams."""
     if not VF_PYTHON.exists():
         pytest.fail(f"{VF_PYTHON} is missing: build it with `make verifiers-venv` (`make test` does)")
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'vf_plugins'}", "HOME": os.environ.get("HOME", "/tmp")}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'vf_plugins'}",
+        "HOME": os.environ.get("HOME", "/tmp"),
+    }
     proc = await asyncio.create_subprocess_exec(
         str(VF_PYTHON), "-m", *args, cwd=ROOT, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -68,7 +72,9 @@ async def test_without_verifiers_the_task_says_how_to_install_it() -> None:
         await task.check()
 
 
-async def test_a_worker_in_the_verifiers_venv_trains_on_the_engines_ids(redis_url: str, model_dir: Path) -> None:
+async def test_a_worker_in_the_verifiers_venv_trains_on_the_engines_ids(
+    redis_url: str, model_dir: Path
+) -> None:
     tok = build_tokenizer()
     with serving(model_dir) as srv:
         args = {
@@ -76,12 +82,16 @@ async def test_a_worker_in_the_verifiers_venv_trains_on_the_engines_ids(redis_ur
             "task": {"verifiers_taskset": "guess_digit", "train_size": 4, "heldout_size": 1},
             "rollout": {"group_size": 2, "max_new_tokens": 96, "max_tokens_per_turn": 4, "temperature": 1.0},
         }  # fmt: skip
-        stats = json.loads((await run_in_verifiers_venv("tests.vf_worker", json.dumps(args))).splitlines()[-1])
+        stats = json.loads(
+            (await run_in_verifiers_venv("tests.vf_worker", json.dumps(args))).splitlines()[-1]
+        )
 
     shared = SharedConfig(run_id="run", eta=100, model_path=model_dir, http_timeout_s=10.0)
     groups = await read_records(redis_url, shared)
     assert stats["finished"] and len(groups) == 4 and not await read_drops(redis_url, shared)
-    prompt_ids = tok(f"<|im_start|>user\n{FIRST}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    prompt_ids = tok(
+        f"<|im_start|>user\n{FIRST}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
     rubric_ended = 0
     for g in groups:
         assert g.schema_version == 2 and list(g.prompt_ids) == prompt_ids["input_ids"]
@@ -113,6 +123,7 @@ def check_sample(tok: object, s: object, target: int) -> bool:
     last_done = answer(target, guesses[-1], len(guesses))[2]
     rubric_ended = last_done and not s.truncated and ids[-1] != tok.eos_token_id
     expected_reward = total if rubric_ended else 0.0
-    assert s.reward == pytest.approx(expected_reward) and s.episode["env_reward"] == pytest.approx(expected_reward)
+    assert s.reward == pytest.approx(expected_reward)
+    assert s.episode["env_reward"] == pytest.approx(expected_reward)
     assert s.reward_components.get("env", 0.0) == pytest.approx(expected_reward)
     return rubric_ended

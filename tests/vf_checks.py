@@ -47,7 +47,11 @@ async def rendering_and_reward() -> None:
         first = await env.step(f"{wrong}<|im_end|>")
         message = "higher" if target > wrong else "lower"
         assert (first.done, first.reward) == (False, 0.0)
-        assert first.observation == observation(message) == chat_observation(TOK, [{"role": "user", "content": message}])
+        assert (
+            first.observation
+            == observation(message)
+            == chat_observation(TOK, [{"role": "user", "content": message}])
+        )
         assert env.history[-1] == {"role": "user", "content": message}
         right = await env.step(f"it is {target}<|im_end|>")
         assert right.done and right.reward == pytest.approx(1.0 + WRONG), right
@@ -94,7 +98,9 @@ async def concurrent_episodes() -> None:
 
 async def history_rewrite_is_refused() -> None:
     """A harness that edits its earlier replies (as a compacting one does) makes the next step raise."""
-    task = guess_task(verifiers_config={"player": {"harness": {"id": "guess_digit", "rewrite_history": True}}})
+    task = guess_task(
+        verifiers_config={"player": {"harness": {"id": "guess_digit", "rewrite_history": True}}}
+    )
     env = task.make_env(task.make_prompt(0))
     try:
         assert await env.reset() == PROMPT

@@ -26,7 +26,9 @@ class OneTokenTurns(VerifiersTask):
 def main() -> None:
     args = json.loads(sys.argv[1])
     task = TaskConfig(name="tests.vf_worker:OneTokenTurns", **args["task"])
-    shared, engine, rollout = configs(Path(args["model_dir"]), [args["engine_url"]], task=task, **args["rollout"])
+    shared, engine, rollout = configs(
+        Path(args["model_dir"]), [args["engine_url"]], task=task, **args["rollout"]
+    )
     stats = asyncio.run(run_worker(args["redis_url"], shared, engine, rollout))
     print(json.dumps({"finished": stats.finished, "turns": stats.turns, "episodes": stats.episodes}))
 

@@ -28,7 +28,9 @@ from verifiers.v1.interception import InterceptionServer
 # The ModelContext every bridged rollout runs under. Its client config is a sentinel: nothing is ever sent to
 # this URL; the interception server finds the BridgeClient registered under this config's JSON instead.
 MODEL = "streamrl-policy"
-BRIDGE_CLIENT = vf.EvalClientConfig(base_url="http://streamrl-bridge.invalid/v1", api_key_var="STREAMRL_BRIDGE")
+BRIDGE_CLIENT = vf.EvalClientConfig(
+    base_url="http://streamrl-bridge.invalid/v1", api_key_var="STREAMRL_BRIDGE"
+)
 CONTEXT = vf.ModelContext(model=MODEL, client=BRIDGE_CLIENT)
 
 
@@ -208,4 +210,3 @@ def episode_reward(episode: Any) -> tuple[float, dict[str, float], int]:
     (trace,) = episode.traces
     components = {name: float(r.value) for name, r in trace.rewards.items() if r is not None}
     return float(trace.reward), components, int(trace.num_turns)
-

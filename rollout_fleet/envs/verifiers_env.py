@@ -216,7 +216,9 @@ class VerifiersTask(EnvironmentTask):
         if self.tokenizer is None:
             raise TaskError("task verifiers: make_env needs the tokenizer (conversations are templated)")
         split = TRAIN if prompt.split == TRAIN else TEST
-        return VerifiersEnvironment(self.runner(), self.vf_task(split, prompt.index), self.tokenizer, self.timeout_s)
+        return VerifiersEnvironment(
+            self.runner(), self.vf_task(split, prompt.index), self.tokenizer, self.timeout_s
+        )
 
     async def prepare_prompt(self, prompt: Prompt) -> Prompt:
         """A rollout started to its first model call and cancelled: that call's rendering is the prompt (every
