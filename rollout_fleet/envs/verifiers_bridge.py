@@ -75,6 +75,21 @@ class BridgeClient(vf.Client):
         turn: Any = None,
         headers: Mapping[str, str] | None = None,
     ) -> vf.Response:
+        """Hand the call to its episode and return the episode's answer as the assistant message (verifiers'
+        sampling config is ignored: the worker samples)."""
+        channel = self._channel(dialect, session_id)
+        request = dialect.parse_request(body)
+        call = ModelCall(
+            [message_to_wire(m) for m in request.messages],
+            [tool_to_wire(t) for t in request.tools] if request.tools else None,
+            asyncio.get_running_loop().create_future(),
+        )
+        channel.events.put_nowait(call)
+        return completion(await call.answer, f"streamrl-{session_id}-{len(request.messages)}")
+
+    def _channel(self, dialect: Any, session_id: str | None) -> Channel:
+        """The episode that answers this trace's calls; ProviderError (a 400 to the harness, the rollout's
+        error) for what the bridge cannot carry."""
         channel = self.routes.get(session_id or "")
         if channel is None:
             raise ProviderError(f"streamrl bridge: no episode for trace {session_id!r}", status_code=400)
@@ -91,23 +106,20 @@ class BridgeClient(vf.Client):
                 status_code=400,
             )
         channel.policy_trace = session_id
-        request = dialect.parse_request(body)
-        call = ModelCall(
-            [message_to_wire(m) for m in request.messages],
-            [tool_to_wire(t) for t in request.tools] if request.tools else None,
-            asyncio.get_running_loop().create_future(),
-        )
-        channel.events.put_nowait(call)
-        content = await call.answer
-        response = vf.Response(
-            id=f"streamrl-{session_id}-{len(request.messages)}",
-            created=0,
-            model=MODEL,
-            message=vf.AssistantMessage(content=content),
-            finish_reason="stop",
-        )
-        response.raw = serialize_completion(response, MODEL)  # what the harness's OpenAI SDK receives
-        return response
+        return channel
+
+
+def completion(content: str, response_id: str) -> vf.Response:
+    """The episode's turn as verifiers' Response, with the OpenAI completion the harness's SDK receives."""
+    response = vf.Response(
+        id=response_id,
+        created=0,
+        model=MODEL,
+        message=vf.AssistantMessage(content=content),
+        finish_reason="stop",
+    )
+    response.raw = serialize_completion(response, MODEL)
+    return response
 
 
 class Runner:

@@ -133,6 +133,22 @@ class VerifiersEnvironment(Environment):
             await self.runner.stop(channel)
 
 
+def _check_options(taskset: Any, config: Any, train_size: Any, heldout_size: Any, timeout_s: Any) -> None:
+    """TaskError naming the first bad option (the config is checked when the task is built)."""
+    if not isinstance(taskset, str) or not taskset:
+        raise TaskError(
+            "task verifiers: task.verifiers_taskset is required (a verifiers taskset id: an installed "
+            "package or a module path)"
+        )
+    if config is not None and not isinstance(config, dict):
+        raise TaskError(f"task verifiers: verifiers_config must be a table, got {config!r}")
+    for option, value in (("train_size", train_size), ("heldout_size", heldout_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise TaskError(f"task verifiers: {option} must be an int >= 1, got {value!r}")
+    if not isinstance(timeout_s, int | float) or timeout_s <= 0:
+        raise TaskError(f"task verifiers: env_timeout_s must be > 0, got {timeout_s!r}")
+
+
 class VerifiersTask(EnvironmentTask):
     """Episodes of a verifiers environment: train prompt i is task i of its taskset, held-out prompt i is task
     ``train_size + i`` (disjoint from the train prompts)."""
@@ -150,18 +166,7 @@ class VerifiersTask(EnvironmentTask):
         env_timeout_s: float = 60.0,
         tokenizer: Any = None,
     ) -> None:
-        if not isinstance(verifiers_taskset, str) or not verifiers_taskset:
-            raise TaskError(
-                "task verifiers: task.verifiers_taskset is required (a verifiers taskset id: an installed "
-                "package or a module path)"
-            )
-        if verifiers_config is not None and not isinstance(verifiers_config, dict):
-            raise TaskError(f"task verifiers: verifiers_config must be a table, got {verifiers_config!r}")
-        for option, value in (("train_size", train_size), ("heldout_size", heldout_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise TaskError(f"task verifiers: {option} must be an int >= 1, got {value!r}")
-        if not isinstance(env_timeout_s, int | float) or env_timeout_s <= 0:
-            raise TaskError(f"task verifiers: env_timeout_s must be > 0, got {env_timeout_s!r}")
+        _check_options(verifiers_taskset, verifiers_config, train_size, heldout_size, env_timeout_s)
         self.taskset_id, self.env_id = verifiers_taskset, verifiers_env
         self.env_config = dict(verifiers_config or {})
         self.train_size, self.heldout_size = train_size, heldout_size
