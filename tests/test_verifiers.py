@@ -72,23 +72,26 @@ async def test_without_verifiers_the_task_says_how_to_install_it() -> None:
         await task.check()
 
 
+async def run_vf_worker(model_dir: Path, redis_url: str, **task: object) -> dict:
+    """A rollout worker process in the verifiers venv running the guess_digit taskset's ``task`` options
+    against a built-in engine started here; its stats."""
+    with serving(model_dir) as srv:
+        args = {
+            "model_dir": str(model_dir), "engine_url": srv.url, "redis_url": redis_url,
+            "task": {"verifiers_taskset": "guess_digit", "heldout_size": 1, **task},
+            "rollout": {"group_size": 2, "max_new_tokens": 96, "max_tokens_per_turn": 4, "temperature": 1.0},
+        }  # fmt: skip
+        out = await run_in_verifiers_venv("tests.vf_worker", json.dumps(args))
+    return json.loads(out.splitlines()[-1])
+
+
 async def test_a_worker_in_the_verifiers_venv_trains_on_the_engines_ids(
     redis_url: str, model_dir: Path
 ) -> None:
     tok = build_tokenizer()
-    with serving(model_dir) as srv:
-        args = {
-            "model_dir": str(model_dir), "engine_url": srv.url, "redis_url": redis_url,
-            "task": {"verifiers_taskset": "guess_digit", "train_size": 4, "heldout_size": 1},
-            "rollout": {"group_size": 2, "max_new_tokens": 96, "max_tokens_per_turn": 4, "temperature": 1.0},
-        }  # fmt: skip
-        stats = json.loads(
-            (await run_in_verifiers_venv("tests.vf_worker", json.dumps(args))).splitlines()[-1]
-        )
-
-    shared = SharedConfig(run_id="run", eta=100, model_path=model_dir, http_timeout_s=10.0)
-    groups = await read_records(redis_url, shared)
-    assert stats["finished"] and len(groups) == 4 and not await read_drops(redis_url, shared)
+    stats = await run_vf_worker(model_dir, redis_url, train_size=4)
+    groups = await read_records(redis_url, shared(model_dir))
+    assert stats["finished"] and len(groups) == 4 and not await read_drops(redis_url, shared(model_dir))
     prompt_ids = tok(
         f"<|im_start|>user\n{FIRST}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
     )
@@ -99,6 +102,31 @@ async def test_a_worker_in_the_verifiers_venv_trains_on_the_engines_ids(
             rubric_ended += check_sample(tok, s, target_of(g.prompt_index))
     assert rubric_ended >= 4  # most episodes end through verifiers' own env and rubric
     assert stats["turns"] == sum(s.episode["turns"] for g in groups for s in g.samples)
+
+
+async def test_a_rollout_that_rewrites_history_drops_its_group_with_the_reason(
+    redis_url: str, model_dir: Path
+) -> None:
+    """A harness that rewrites its earlier replies (tests/vf_plugins/guess_digit.py, ``rewrite_history``): the
+    second model call of an episode no longer extends what the episode holds, so the worker drops the group
+    (reason env_error, the message named) instead of training on a sequence verifiers never saw."""
+    harness = {"id": "guess_digit", "rewrite_history": True}
+    stats = await run_vf_worker(
+        model_dir, redis_url, train_size=3, verifiers_config={"player": {"harness": harness}}
+    )
+    drops = await read_drops(redis_url, shared(model_dir))
+    groups = await read_records(redis_url, shared(model_dir))
+    assert stats["finished"] and len(drops) + len(groups) == 3 and drops, (drops, stats)
+    for drop in drops:
+        assert drop["reason"] == "env_error", drop
+        assert "rewrote the conversation at message 1 (assistant)" in drop["detail"], drop
+    for g in groups:  # a group kept only where no sample reached a second model call
+        assert all(s.episode["turns"] == 1 for s in g.samples)
+
+
+def shared(model_dir: Path) -> SharedConfig:
+    """The shared config tests/vf_worker.py's worker ran with (tests/test_rollout_worker.py's configs)."""
+    return SharedConfig(run_id="run", eta=100, model_path=model_dir, http_timeout_s=10.0)
 
 
 def check_sample(tok: object, s: object, target: int) -> bool:

@@ -132,7 +132,7 @@ class Runner:
         self._serving: asyncio.Task | None = None
         self._ready: asyncio.Future | None = None
 
-    async def _serve(self) -> None:
+    async def serve(self) -> None:
         """Serve the env on this event loop (a worker has one; tests have one per test), once."""
         loop = asyncio.get_running_loop()
         if self._serving is None or self._serving.get_loop() is not loop or self._serving.done():
@@ -165,7 +165,7 @@ class Runner:
 
     async def start(self, task: Any) -> Channel:
         """Start one rollout of the verifiers ``task``; its model calls and its end arrive on the channel."""
-        await self._serve()
+        await self.serve()
         channel = Channel()
 
         def claim(trace: Any) -> None:

@@ -236,8 +236,9 @@ class VerifiersTask(EnvironmentTask):
         return dataclasses.replace(prompt, text=text)
 
     async def check(self) -> str:
-        """At worker start: verifiers imports, the env loads and its taskset has every configured task."""
-        self.runner()
+        """At worker start: verifiers imports, the env loads and is served (its interception server up), and
+        its taskset has every configured task."""
+        await self.runner().serve()
         assert self._tasks is not None
         wanted = self.train_size + self.heldout_size
         if len(self._tasks) < wanted:
