@@ -61,6 +61,12 @@ async def test_the_adapter_runs_a_verifiers_environment(check: str) -> None:
     assert (await run_in_verifiers_venv("tests.vf_checks", check)).strip().endswith(f"ok {check}")
 
 
+async def test_held_out_evaluation_scores_verifiers_episodes_with_the_rubric(model_dir: Path) -> None:
+    with serving(model_dir) as srv:
+        out = await run_in_verifiers_venv("tests.vf_checks", "heldout_evaluation", srv.url, str(model_dir))
+    assert out.strip().endswith("ok heldout_evaluation")
+
+
 async def test_without_verifiers_the_task_says_how_to_install_it() -> None:
     """The main environment has no verifiers: the task builds (reward processes import it) and says what to
     install when it is used."""

@@ -1,6 +1,6 @@
 """The verifiers adapter's environment-level checks against a real verifiers environment
 (tests/vf_plugins/guess_digit.py), run by tests/test_verifiers.py in the verifiers virtualenv:
-``python -m tests.vf_checks CHECK``. Each check is plain asserts; the process exits 0 when it holds."""
+``python -m tests.vf_checks CHECK [ARGS]``. Each check is plain asserts; the process exits 0 when it holds."""
 
 from __future__ import annotations
 
@@ -138,7 +138,60 @@ async def bad_configs_are_task_errors() -> None:
         await guess_task(train_size=90, heldout_size=10).check()
 
 
-CHECKS: dict[str, Callable[[], Awaitable[None]]] = {
+async def heldout_evaluation(engine_url: str, model_dir: str) -> None:
+    """The evaluator runs held-out verifiers episodes through the same runner against the engine at
+    ``engine_url``; their greedy score is the rubric's reward (the task's verifier gives 0), recomputed here
+    from each greedy transcript's guesses."""
+    import re
+    from pathlib import Path
+
+    import aiohttp
+
+    from rollout_fleet.client import EngineClient, SamplingConfig
+    from rollout_fleet.evaluator import (
+        EvalConfig,
+        Scoring,
+        _answers,
+        eval_reward,
+        evaluate_through_engines,
+        reward_pool,
+    )
+    from rollout_fleet.model import load_tokenizer
+    from rollout_fleet.tasks.config import TaskConfig, build_task
+    from tests.guess_game import replay
+    from tests.test_rollout_worker import configs
+
+    observation_re = re.compile(
+        r"\n<\|im_start\|>user\n(?:higher|lower|no digit)<\|im_end\|>\n<\|im_start\|>assistant\n"
+    )
+    config = EvalConfig(every_versions=2, heldout_prompts=4, max_new_tokens=96, concurrency=4, poll_s=0.05)
+    task_config = TaskConfig(
+        name="tests.vf_worker:OneTokenTurns", verifiers_taskset="guess_digit", train_size=8, heldout_size=4
+    )
+    _, _, rollout = configs(Path(model_dir), [engine_url], task=task_config)
+    tokenizer = load_tokenizer(Path(model_dir))
+    task = build_task(rollout.task, tokenizer)
+    expected = []
+    async with aiohttp.ClientSession() as http:
+        client = EngineClient(http, engine_url, 30.0, 30.0)
+        for i in range(4):
+            prompt = task.make_prompt(i, "test")
+            ((text, _, env),) = await _answers(
+                client, tokenizer, prompt, SamplingConfig(temperature=0.0), 96, 1, task
+            )
+            guesses = observation_re.split(text)
+            ended_by_model = guesses[-1].endswith("<|endoftext|>")
+            expected.append(0.0 if ended_by_model else replay(target_of(task.train_size + i), guesses)[1])
+            assert env == pytest.approx(expected[-1]), (text, env)
+    async with reward_pool(rollout) as pool:
+        result = await evaluate_through_engines(
+            [engine_url], task, tokenizer, config, (), Scoring(eval_reward(rollout, config), pool), 30.0
+        )
+    assert result.n == 4 and any(expected), expected
+    assert result.details["greedy_reward"] == pytest.approx(sum(expected) / 4)
+
+
+CHECKS: dict[str, Callable[..., Awaitable[None]]] = {
     f.__name__: f
     for f in (
         rendering_and_reward,
@@ -146,9 +199,10 @@ CHECKS: dict[str, Callable[[], Awaitable[None]]] = {
         history_rewrite_is_refused,
         close_cancels_the_rollout,
         bad_configs_are_task_errors,
+        heldout_evaluation,
     )
 }
 
 if __name__ == "__main__":
-    asyncio.run(CHECKS[sys.argv[1]]())
+    asyncio.run(CHECKS[sys.argv[1]](*sys.argv[2:]))
     print("ok", sys.argv[1])

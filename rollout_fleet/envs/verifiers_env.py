@@ -195,7 +195,8 @@ class VerifiersTask(EnvironmentTask):
         position = index if split == TRAIN else self.train_size + index
         if not 0 <= index < self.num_prompts(split) or position >= len(self._tasks):
             raise TaskError(
-                f"task verifiers: {split} index {index} out of range (the taskset has {len(self._tasks)} tasks)"
+                f"task verifiers: {split} index {index} (task {position}) out of range: the taskset has "
+                f"{len(self._tasks)} tasks, train_size {self.train_size}, heldout_size {self.heldout_size}"
             )
         return self._tasks[position]
 
