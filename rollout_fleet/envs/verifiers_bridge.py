@@ -13,7 +13,6 @@ generates and trains on the engine's own ids.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -190,8 +189,9 @@ class Runner:
         runner, channel.runner = channel.runner, None
         if runner is not None and not runner.done():
             runner.cancel()
-            with contextlib.suppress(BaseException):
-                await runner
+            await asyncio.wait(
+                [runner]
+            )  # its CancelledError stays in it; ours (if we are cancelled) does not
 
 
 def load_env(taskset: str, env_id: str | None, config: dict[str, Any]) -> Any:

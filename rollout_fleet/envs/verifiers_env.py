@@ -128,7 +128,9 @@ class VerifiersEnvironment(Environment):
         return StepResult(observation=chat_observation(self.tokenizer, tail, self.tools))
 
     async def close(self) -> None:
-        channel, self.channel, self.call = self.channel, None, None
+        channel, call, self.channel, self.call = self.channel, self.call, None, None
+        if call is not None and not call.answer.done():
+            call.answer.cancel()  # the bridge's handler waiting for an answer that will not come
         if channel is not None:
             await self.runner.stop(channel)
 
