@@ -53,6 +53,7 @@ async def run_in_verifiers_venv(*args: str, timeout: float = 180.0) -> str:
         "rendering_and_reward",
         "concurrent_episodes",
         "history_rewrite_is_refused",
+        "tool_calls_round_trip",
         "close_cancels_the_rollout",
         "bad_configs_are_task_errors",
     ],

@@ -112,6 +112,35 @@ async def history_rewrite_is_refused() -> None:
         await env.close()
 
 
+async def tool_calls_round_trip() -> None:
+    """With the harness's calculator declared, the prompt carries the tool, a ``<tool_call>`` block becomes the
+    assistant's tool call, the harness's result comes back as a tool message, and the rubric counts only the
+    replies that call no tool."""
+    task = guess_task(verifiers_config={"player": {"harness": {"id": "guess_digit", "calculator": True}}})
+    env = task.make_env(task.make_prompt(4))
+    try:
+        prompt = await env.reset()
+        assert env.tools and env.tools[0]["function"]["name"] == "calc"
+        assert prompt == TOK.apply_chat_template([{"role": "user", "content": FIRST}], tools=env.tools,
+                                                 tokenize=False, add_generation_prompt=True)  # fmt: skip
+        call = '<tool_call>{"name": "calc", "arguments": {"expression": "2+3"}}</tool_call>'
+        result = await env.step(f"let me add {call}<|im_end|>")
+        assistant, tool = env.history[-2:]
+        assert (
+            assistant["content"] == "let me add" and assistant["tool_calls"][0]["function"]["name"] == "calc"
+        )
+        assert tool["role"] == "tool" and tool["content"] == "5" and tool["tool_call_id"] == "call_0"
+        assert not result.done and result.observation == chat_observation(TOK, [tool], env.tools)
+        bad = await env.step(
+            "<tool_call>{not json}</tool_call><|im_end|>"
+        )  # not a call: a guess with no digit
+        assert bad.observation == chat_observation(TOK, [{"role": "user", "content": "no digit"}], env.tools)
+        done = await env.step(f"{target_of(4)}<|im_end|>")
+        assert done.done and done.reward == pytest.approx(1.0 + WRONG), done
+    finally:
+        await env.close()
+
+
 async def close_cancels_the_rollout() -> None:
     """An episode that streamrl ends early (EOS, a budget) is closed mid-rollout: the rollout is cancelled,
     its trace unregistered, and the next episode of the same task runs."""
@@ -197,6 +226,7 @@ CHECKS: dict[str, Callable[..., Awaitable[None]]] = {
         rendering_and_reward,
         concurrent_episodes,
         history_rewrite_is_refused,
+        tool_calls_round_trip,
         close_cancels_the_rollout,
         bad_configs_are_task_errors,
         heldout_evaluation,

@@ -13,6 +13,8 @@ generates and trains on the engine's own ids.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +33,7 @@ BRIDGE_CLIENT = vf.EvalClientConfig(
     base_url="http://streamrl-bridge.invalid/v1", api_key_var="STREAMRL_BRIDGE"
 )
 CONTEXT = vf.ModelContext(model=MODEL, client=BRIDGE_CLIENT)
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)  # Hermes / Qwen2.5 tool calls
 
 
 @dataclass
@@ -40,6 +43,7 @@ class ModelCall:
     messages: list[dict[str, Any]]  # the whole conversation as chat wire dicts
     tools: list[dict[str, Any]] | None
     answer: asyncio.Future[str]
+    reply: dict[str, Any] | None = None  # the assistant message returned to verifiers, as a chat wire dict
 
 
 @dataclass
@@ -84,7 +88,9 @@ class BridgeClient(vf.Client):
             asyncio.get_running_loop().create_future(),
         )
         channel.events.put_nowait(call)
-        return completion(await call.answer, f"streamrl-{session_id}-{len(request.messages)}")
+        response = completion(await call.answer, f"streamrl-{session_id}-{len(request.messages)}", call.tools)
+        call.reply = message_to_wire(response.message)
+        return response
 
     def _channel(self, dialect: Any, session_id: str | None) -> Channel:
         """The episode that answers this trace's calls; ProviderError (a 400 to the harness, the rollout's
@@ -108,17 +114,42 @@ class BridgeClient(vf.Client):
         return channel
 
 
-def completion(content: str, response_id: str) -> vf.Response:
-    """The episode's turn as verifiers' Response, with the OpenAI completion the harness's SDK receives."""
+def completion(text: str, response_id: str, tools: list[dict[str, Any]] | None = None) -> vf.Response:
+    """The episode's turn as verifiers' Response, with the OpenAI completion the harness's SDK receives. When
+    the call declared tools, the turn's Hermes-style ``<tool_call>{"name", "arguments"}</tool_call>`` blocks
+    become its tool calls (a block that is not such JSON stays text: the model's mistake, shown as written)."""
+    content, calls = split_tool_calls(text) if tools else (text, [])
     response = vf.Response(
         id=response_id,
         created=0,
         model=MODEL,
-        message=vf.AssistantMessage(content=content),
-        finish_reason="stop",
+        message=vf.AssistantMessage(
+            content=content if content or not calls else None, tool_calls=calls or None
+        ),
+        finish_reason="tool_calls" if calls else "stop",
     )
     response.raw = serialize_completion(response, MODEL)
     return response
+
+
+def split_tool_calls(text: str) -> tuple[str, list[vf.ToolCall]]:
+    """(the text without its well-formed tool-call blocks, those calls)."""
+    calls: list[vf.ToolCall] = []
+
+    def take(match: re.Match) -> str:
+        try:
+            call = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            return match.group(0)
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return match.group(0)
+        args = call.get("arguments", {})
+        arguments = args if isinstance(args, str) else json.dumps(args)
+        calls.append(vf.ToolCall(id=f"call_{len(calls)}", name=call["name"], arguments=arguments))
+        return ""
+
+    content = _TOOL_CALL.sub(take, text).strip()
+    return (content, calls) if calls else (text, [])
 
 
 class Runner:

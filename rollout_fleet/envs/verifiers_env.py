@@ -16,8 +16,8 @@ model client is a bridge whose call hands the conversation to this environment a
 Each call's conversation must be the previous call's plus the assistant message streamrl answered, then new
 messages: streamrl's sample is one token sequence and never re-tokenises earlier turns. A rollout that rewrites
 history (a compacting harness, an env editing messages) raises :class:`HistoryRewritten`, and the worker drops
-the group with reason ``env_error``. Tool calls are not parsed into ``tool_calls`` (as the engine's OpenAI
-endpoint does not): the turn's text is the assistant content.
+the group with reason ``env_error``. When the call declares tools, the turn's Hermes-style ``<tool_call>`` blocks
+become the assistant message's ``tool_calls``; the tool results come back as the next call's tool messages.
 
 verifiers is imported lazily, so this module (and the reward processes that import the task) loads without it.
 """
@@ -64,8 +64,8 @@ def new_messages(history: list[dict[str, Any]], messages: list[dict[str, Any]]) 
 
 
 def _differs(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    if old.get("role") == "assistant":  # streamrl's answer: only its content is ours (no tool calls parsed)
-        return new.get("role") != "assistant" or (new.get("content") or "") != (old.get("content") or "")
+    if old.get("role") == "assistant":  # streamrl's answer: its content and tool calls are what counts
+        return any((new.get(k) or None) != (old.get(k) or None) for k in ("role", "content", "tool_calls"))
     return old != new
 
 
@@ -110,10 +110,11 @@ class VerifiersEnvironment(Environment):
     async def step(self, action: str) -> StepResult:
         if self.call is None:
             raise RuntimeError("step before reset, or after the verifiers rollout finished")
-        content = strip_special(action)
-        self.call.answer.set_result(content)
-        self.history.append({"role": "assistant", "content": content})
+        call = self.call
+        call.answer.set_result(strip_special(action))
         event = await self._next()
+        # what the bridge returned (the turn's text, its tool calls parsed when the call declared tools)
+        self.history.append(call.reply or {"role": "assistant", "content": strip_special(action)})
         bridge = _bridge()
         if isinstance(event, bridge.Finished):
             self.call = None
