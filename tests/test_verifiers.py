@@ -47,19 +47,27 @@ async def run_in_verifiers_venv(*args: str, timeout: float = 180.0) -> str:
     return out.decode()
 
 
-@pytest.mark.parametrize(
-    "check",
-    [
-        "rendering_and_reward",
-        "concurrent_episodes",
-        "history_rewrite_is_refused",
-        "tool_calls_round_trip",
-        "close_cancels_the_rollout",
-        "bad_configs_are_task_errors",
-    ],
-)
-async def test_the_adapter_runs_a_verifiers_environment(check: str) -> None:
-    assert (await run_in_verifiers_venv("tests.vf_checks", check)).strip().endswith(f"ok {check}")
+ENV_CHECKS = [
+    "rendering_and_reward",
+    "concurrent_episodes",
+    "history_rewrite_is_refused",
+    "tool_calls_round_trip",
+    "close_cancels_the_rollout",
+    "bad_configs_are_task_errors",
+]
+
+
+@pytest.fixture(scope="module")
+def env_checks() -> dict[str, str]:
+    """tests/vf_checks.py's engine-free checks, run once in one verifiers-venv process: name -> ok or traceback."""
+    out = asyncio.run(run_in_verifiers_venv("tests.vf_checks", "all"))
+    return json.loads(out.splitlines()[-1])
+
+
+@pytest.mark.parametrize("check", ENV_CHECKS)
+def test_the_adapter_runs_a_verifiers_environment(env_checks: dict[str, str], check: str) -> None:
+    assert sorted(env_checks) == sorted(ENV_CHECKS)
+    assert env_checks[check] == "ok", env_checks[check]
 
 
 async def test_held_out_evaluation_scores_verifiers_episodes_with_the_rubric(model_dir: Path) -> None:

@@ -1,11 +1,14 @@
 """The verifiers adapter's environment-level checks against a real verifiers environment
 (tests/vf_plugins/guess_digit.py), run by tests/test_verifiers.py in the verifiers virtualenv:
-``python -m tests.vf_checks CHECK [ARGS]``. Each check is plain asserts; the process exits 0 when it holds."""
+``python -m tests.vf_checks CHECK [ARGS]`` (exits 0 when it holds) or ``python -m tests.vf_checks all`` (every
+check that needs no engine, results as one JSON line). Each check is plain asserts."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
+import traceback
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -233,6 +236,25 @@ CHECKS: dict[str, Callable[..., Awaitable[None]]] = {
     )
 }
 
+ENV_CHECKS = [name for name in CHECKS if name != "heldout_evaluation"]  # the ones that need no engine
+
+
+def run_all() -> dict[str, str]:
+    """Every engine-free check, each on its own event loop in this one process (one interpreter start for
+    all): name -> "ok" or its traceback."""
+    results = {}
+    for name in ENV_CHECKS:
+        try:
+            asyncio.run(CHECKS[name]())
+            results[name] = "ok"
+        except (Exception, pytest.fail.Exception):  # noqa: BLE001 - reported per check to the test that asked
+            results[name] = traceback.format_exc()
+    return results
+
+
 if __name__ == "__main__":
-    asyncio.run(CHECKS[sys.argv[1]](*sys.argv[2:]))
-    print("ok", sys.argv[1])
+    if sys.argv[1] == "all":
+        print(json.dumps(run_all()))
+    else:
+        asyncio.run(CHECKS[sys.argv[1]](*sys.argv[2:]))
+        print("ok", sys.argv[1])
