@@ -25,7 +25,7 @@ install: $(STAMP)
 
 # The verifiers adapter's second virtualenv (tests/test_verifiers.py runs its verifiers side here): verifiers
 # 0.4.0 pins mcp==2.0.0 and openai<3, which cannot share .venv with openenv-core (mcp>=2.3.0) and openai 3. The
-# package with the verifiers extra and pytest; torch from constraints-cpu.txt. 77 s on a clean run here (no pip cache, 2 loaded cores).
+# package with the verifiers extra and pytest; torch from constraints-cpu.txt. 77 to 98 s from scratch here (2 loaded cores).
 $(VF_STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VF_VENV)
 	$(VF_VENV)/bin/python -m pip install --quiet --upgrade pip
