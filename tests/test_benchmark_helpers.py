@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -318,6 +319,8 @@ def test_archive_overhead_runs_differ_only_in_the_archive_and_count_rows(tmp_pat
         "learner_wait_seconds": 3.0,
         "steps": 3,
         "audit": {"produced": 1},
+        "training_wall_seconds": 10.0,
+        "archive": {"cpu_s": 0.8},
     }
 
     def fake_run(args, **kw):  # noqa: ANN001, ANN202
@@ -335,6 +338,9 @@ def test_archive_overhead_runs_differ_only_in_the_archive_and_count_rows(tmp_pat
     assert on["learner_step_seconds"] == 2.0 and on["step_wall_seconds"] == 3.0
     assert on["archive_rows"] == on["samples_generated"] == 8 and on["rows_equal_generated"] is True
     assert "archive_rows" not in off
+    # the archiver's CPU seconds against what the cores offered while training ran
+    assert on["archiver_cpu_seconds"] == 0.8
+    assert on["archiver_cpu_share"] == pytest.approx(0.8 / (10.0 * os.cpu_count()))
     configs = [load_config(StreamRLConfig, argv[4:]) for argv in seen]
     assert [c.archive.enabled for c in configs] == [True, False]
     assert configs[0].model_dump(exclude={"archive", "shared"}) == configs[1].model_dump(
