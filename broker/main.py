@@ -6,6 +6,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Collection
 
 import redis
 
@@ -16,16 +17,22 @@ from broker.server import EmbeddedRedis, RedisServerError
 log = logging.getLogger("streamrl.redis")
 
 
-def run_redis(shared: SharedConfig, config: RedisServerConfig, metrics_port: int | None = None) -> int:
+def run_redis(
+    shared: SharedConfig,
+    config: RedisServerConfig,
+    metrics_port: int | None = None,
+    avoid_ports: Collection[int] = (),
+) -> int:
     """Start the server, announce its URL, and supervise it until SIGTERM / SIGINT or until it dies; with
-    ``metrics_port``, serve its INFO numbers for Prometheus there."""
+    ``metrics_port``, serve its INFO numbers for Prometheus there. ``avoid_ports``: ports promised to the
+    run's other servers that may not be bound yet."""
     if shared.redis_url:
         log.info("shared.redis_url names an existing server; nothing is started")
         return 0
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server = EmbeddedRedis(shared.run_dir / "redis", config)
+    server = EmbeddedRedis(shared.run_dir / "redis", config, avoid_ports)
     try:
         server.start()
     except RedisServerError as exc:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import redis
@@ -70,17 +72,18 @@ def ephemeral_port_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
     """A free port for a server that may have to restart on it, drawn below the ephemeral range: a port from
     that range can be taken at any moment as the source port of some outgoing connection (the run's own
     clients included), so a server restarted after a crash could find its port held. Drawn from the 12,000
     ports just below the range (20,768-32,767 with Linux's default), above fixed ports such as the default
-    ``dashboard.metrics_base_port`` (9,400)."""
+    ``dashboard.metrics_base_port`` (9,400). ``avoid``: ports promised to servers that have not bound them yet
+    (``streamrl up`` draws the engines' ports before it starts Redis), which look free but are not."""
     low = ephemeral_port_range()[0]
-    rng = secrets.SystemRandom()
-    for _ in range(64):
-        port = rng.randrange(max(1024, low - 12000), low)
-        if port_is_free(host, port):
+    candidates = list(range(max(1024, low - 12000), low))
+    random.Random(secrets.randbits(64)).shuffle(candidates)  # every port of the range once, in random order
+    for port in candidates:
+        if port not in avoid and port_is_free(host, port):
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # all taken: whatever the kernel gives
         sock.bind((host, 0))
@@ -109,8 +112,11 @@ class EmbeddedRedis:
     free one is chosen (the URL file says which).
     """
 
-    def __init__(self, data_dir: Path, config: RedisServerConfig | None = None) -> None:
+    def __init__(
+        self, data_dir: Path, config: RedisServerConfig | None = None, avoid_ports: Collection[int] = ()
+    ) -> None:
         self.config = config or RedisServerConfig()
+        self.avoid_ports = frozenset(avoid_ports)  # promised to other servers of the run (free_port)
         self.data_dir = Path(data_dir).resolve()
         self.binary = find_server_binary(self.config.binary)
         self.password = _read_or_create_password(self.data_dir / "password")
@@ -126,10 +132,10 @@ class EmbeddedRedis:
         if port_file.is_file():
             port = int(port_file.read_text())
             self._stop_earlier_server()
-            if port_is_free(self.config.host, port):
+            if port not in self.avoid_ports and port_is_free(self.config.host, port):
                 return port
             log.warning("port %d of this Redis is taken by another process: choosing a free one", port)
-        port = free_port(self.config.host)
+        port = free_port(self.config.host, self.avoid_ports)
         port_file.write_text(str(port))
         return port
 

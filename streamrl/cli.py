@@ -64,8 +64,11 @@ def _worker_index(worker_id: str | None) -> int:
 
 def _run_redis(config: StreamRLConfig) -> int:
     from broker.main import run_redis
+    from streamrl.up import promised_ports
 
-    return run_redis(config.shared, config.redis, config.dashboard.metrics_port("redis"))
+    return run_redis(
+        config.shared, config.redis, config.dashboard.metrics_port("redis"), promised_ports(config)
+    )
 
 
 def _run_engine(config: StreamRLConfig) -> int:

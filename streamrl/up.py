@@ -36,6 +36,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import redis
 
@@ -144,6 +145,15 @@ def resolve(config: StreamRLConfig) -> StreamRLConfig:
         cfg.dashboard.port = free_port()
     cfg.shared.run_dir = Path(cfg.shared.run_dir).resolve()
     return cfg
+
+
+def promised_ports(cfg: StreamRLConfig) -> set[int]:
+    """The ports :func:`resolve` gave the run's servers (engines, the sglang router, the dashboard). Redis starts
+    before any of them binds and draws its own port, so it must be told: a port drawn twice is a start that
+    fails with "address already in use" (a `make run` did)."""
+    ports = {urlsplit(url).port for url in cfg.rollout.engine_urls}
+    ports |= {cfg.rollout.sglang_router_port, cfg.dashboard.port}
+    return {p for p in ports if p}
 
 
 def write_config(cfg: StreamRLConfig) -> None:

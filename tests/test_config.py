@@ -177,3 +177,25 @@ def test_lora_through_sglang_adapter_paths_needs_a_directory() -> None:
         load_config(StreamRLConfig, [*args, "--weight_sync.adapter_dir=/a", "--weight_sync.keep_adapters=1"])
     no_lora = load_config(StreamRLConfig, ["--weight_sync.lora_sync=adapter_path"])
     assert no_lora.learner.lora.rank == 0 and no_lora.served_adapter_name() is None
+
+
+def test_redis_is_told_the_ports_up_promised_the_other_servers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`up` draws the engines' and the dashboard's ports before Redis starts; the `redis` role must pass them on
+    (a `make run` failed when Redis drew an engine's port: tests/test_redis_server.py shows they are avoided)."""
+    import broker.main
+    from streamrl import cli
+    from streamrl.up import promised_ports, resolve
+
+    cfg = StreamRLConfig.model_validate(
+        {"shared": {"run_dir": str(tmp_path), "model_path": str(tmp_path)}, "dashboard": {"port": 0}}
+    )
+    cfg = resolve(cfg)
+    engine_ports = {int(url.rsplit(":", 1)[1]) for url in cfg.rollout.engine_urls}
+    assert len(engine_ports) == cfg.engine.count
+    assert promised_ports(cfg) == engine_ports | {cfg.dashboard.port}
+    passed = {}
+    monkeypatch.setattr(broker.main, "run_redis", lambda *args: passed.setdefault("avoid", args[3]) and 0)
+    cli._run_redis(cfg)
+    assert passed["avoid"] == promised_ports(cfg)

@@ -145,3 +145,16 @@ def test_a_port_taken_by_another_process_gets_a_new_one(tmp_path: Path) -> None:
             assert redis.Redis.from_url(second.url).ping()
     finally:
         squatter.close()
+
+
+def test_ports_promised_to_other_servers_are_never_drawn(tmp_path: Path) -> None:
+    """`streamrl up` gives the engines their ports before it starts Redis, which draws its own: told those ports,
+    Redis never takes one (here every port but one of the range it draws from is promised)."""
+    from broker.server import ephemeral_port_range, port_is_free
+
+    low = ephemeral_port_range()[0]
+    candidates = range(max(1024, low - 12000), low)
+    left = next(p for p in reversed(candidates) if port_is_free("127.0.0.1", p))
+    promised = set(candidates) - {left}
+    with EmbeddedRedis(tmp_path, RedisServerConfig(), avoid_ports=promised) as server:
+        assert server.port == left and redis.Redis.from_url(server.url).ping()
