@@ -7,8 +7,8 @@ Each pair runs the default recipe (warm-started model, eta 1) once with ``archiv
 alternating order (on-off, off-on, ...) so a drift of the machine does not favour one side. Measured per run:
 the learner's seconds per step (its training time, summary.json ``learner_train_seconds`` / steps: the
 archiver must not slow the learner) and its step wall time (waiting for data included). With the archiver on,
-also: the archiver's own CPU seconds while training ran (summary.json ``archive.cpu_s``) as a share of the
-cores' time, archive rows (parts plus the pending snapshot) against the samples generated into the stream (summary
+also: the archiver's own CPU seconds (summary.json ``archive.cpu_s``) as a share of the cores' time while
+training ran, archive rows (parts plus the pending snapshot) against the samples generated into the stream (summary
 ``audit.produced`` x group size), and the archive's bytes per sample.
 
 Headline numbers (declared before any run): ``ratio_learner_step_seconds_on_vs_off`` = mean learner seconds per
@@ -65,7 +65,7 @@ def one(run_dir: Path, steps: int, model: Path, archive: bool) -> dict[str, Any]
     }
     if archive:
         out.update(archive_figures(run_dir, summary))
-        # the archiver's own CPU time while training ran, against what the machine's cores offered meanwhile
+        # the archiver's own CPU time (to its stop), against what the machine's cores offered while training ran
         cpu_s = summary["archive"]["cpu_s"]
         out["archiver_cpu_seconds"] = cpu_s
         out["archiver_cpu_share"] = cpu_s / (summary["training_wall_seconds"] * (os.cpu_count() or 1))

@@ -119,7 +119,7 @@ class StatusReader:
         except (redis.RedisError, OSError):
             rollout = {}
         try:
-            archive = self.archive_totals()  # while training ran: the final part is written at the stop
+            archive = self.archive_totals()  # read once the archiver stopped: its last part included
         except (redis.RedisError, OSError):
             archive = None
         return {

@@ -27,7 +27,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
@@ -278,9 +278,12 @@ class Supervisor:
         state.restart_at = None
         self._write_records()
 
-    def stop_all(self) -> None:
-        """SIGTERM every live child in reverse start order, wait the grace period, then SIGKILL."""
+    def stop_all(self, keep: Collection[str] = ()) -> None:
+        """SIGTERM every live child in reverse start order, wait the grace period, then SIGKILL; the children
+        named in ``keep`` are left running (a later call stops them)."""
         for state in reversed(self.children):
+            if state.spec.name in keep:
+                continue
             state.restart_at = None
             if state.process.poll() is None:
                 log.info("stopping %s (pid %d)", state.spec.name, state.process.pid)

@@ -403,7 +403,10 @@ def _supervise(config: StreamRLConfig, started: float, launcher: RayLauncher | N
         print(f"streamrl up: {exc}", file=sys.stderr, flush=True)
         code = 1
     finally:
-        totals = status.final_totals()  # before Redis stops
+        # Every role but Redis first: each writes its last metrics point as it stops (a short run can end
+        # before a rollout worker's first periodic point), and the archiver its last part.
+        sup.stop_all(keep=("redis",))
+        totals = status.final_totals()
         status.close()  # Redis waits for its clients to leave before it stops
         sup.stop_all()
     if sup.failure:

@@ -161,3 +161,15 @@ def test_killer_does_not_wait_forever(tmp_path: Path) -> None:
     sup.stop_requested.set()
     sup.watch()
     assert state.process.returncode == -9
+
+
+def test_stop_all_can_keep_a_child_for_a_later_stop(tmp_path: Path) -> None:
+    """`up` stops every role but Redis first, so their last metrics points are in Redis when it reads them."""
+    sup = Supervisor(tmp_path / "logs", grace_s=10, poll_s=0.05)
+    redis_like = sup.start(ChildSpec("redis", _py(SLEEPER)))
+    worker = sup.start(ChildSpec("worker", _py(SLEEPER)))
+    time.sleep(0.5)  # both have set their SIGTERM handlers
+    sup.stop_all(keep=("redis",))
+    assert worker.process.returncode == 0 and redis_like.process.poll() is None
+    sup.stop_all()
+    assert redis_like.process.returncode == 0
