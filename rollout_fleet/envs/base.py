@@ -16,6 +16,7 @@ The same contract serves the built-in tasks and the adapters for environments fr
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +82,16 @@ class EnvironmentTask(Task):
         first observation comes from a remote environment (OpenEnv) fills its text in here. Every sample's
         ``reset()`` must return this text."""
         return prompt
+
+    async def prompt_from_reset(self, prompt: Prompt) -> Prompt:
+        """``prompt`` with the text of a fresh environment's first observation (reset, then closed): what a task
+        whose environment makes the prompt (OpenEnv, verifiers) returns from :meth:`prepare_prompt`."""
+        env = self.make_env(prompt)
+        try:
+            text = await env.reset()
+        finally:
+            await env.close()
+        return dataclasses.replace(prompt, text=text)
 
     async def check(self) -> str | None:
         """At worker start: raise (TaskError) when what the environments need is unreachable; a line for the

@@ -19,7 +19,6 @@ same text, else the group is dropped with reason ``env_error``.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from typing import Any
@@ -211,12 +210,7 @@ class OpenEnvTask(EnvironmentTask):
         )
 
     async def prepare_prompt(self, prompt: Prompt) -> Prompt:
-        env = self.make_env(prompt)
-        try:
-            text = await env.reset()
-        finally:
-            await env.close()
-        return dataclasses.replace(prompt, text=text)
+        return await self.prompt_from_reset(prompt)
 
     async def check(self) -> str:
         """At worker start: the server answers ``/health`` and a session opens, else a TaskError naming the URL."""

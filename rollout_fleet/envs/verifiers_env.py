@@ -25,7 +25,6 @@ verifiers is imported lazily, so this module (and the reward processes that impo
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Any
 
 from rollout_fleet.envs.base import Environment, EnvironmentTask, StepResult
@@ -232,12 +231,7 @@ class VerifiersTask(EnvironmentTask):
     async def prepare_prompt(self, prompt: Prompt) -> Prompt:
         """A rollout started to its first model call and cancelled: that call's rendering is the prompt (every
         sample's rollout must open the same way, so the env must be deterministic given its task)."""
-        env = self.make_env(prompt)
-        try:
-            text = await env.reset()
-        finally:
-            await env.close()
-        return dataclasses.replace(prompt, text=text)
+        return await self.prompt_from_reset(prompt)
 
     async def check(self) -> str:
         """At worker start: verifiers imports, the env loads and is served (its interception server up), and
