@@ -264,8 +264,8 @@ def test_staleness_ablation_cells_differences_and_targets_by_hand() -> None:
     def cell(mean: float, se: float) -> dict:
         return {"mean": mean, "se": se}
 
-    table = {
-        "default": {"0": cell(0.70, 0.03), "4": cell(0.64, 0.04), "8": cell(0.60, 0.03)},
+    table = {  # the issue's "default" is decoupled PPO with its trust region
+        "decoupled": {"0": cell(0.70, 0.03), "4": cell(0.64, 0.04), "8": cell(0.60, 0.03)},
         "none": {"0": cell(0.70, 0.03), "4": cell(0.55, 0.03), "8": cell(0.40, 0.04)},
     }
     h = headline(table)
@@ -275,7 +275,10 @@ def test_staleness_ablation_cells_differences_and_targets_by_hand() -> None:
     assert h["default_eta4_margin"] == pytest.approx(0.04)
     # default - none at eta 8 = 0.20, se 0.05: gap 0.20 - 0.10 = 0.10 (met)
     assert h["none_eta8_gap"] == pytest.approx(0.10)
-    assert headline({"default": {"0": cell(0.7, 0.01)}})["none_eta8_gap"] is None
+    # none (the shipped default) eta 4 - eta 0 = -0.15, se sqrt(0.03^2 + 0.03^2) = 0.042426: -0.065147 (not met)
+    assert h["none_eta4_margin"] == pytest.approx(-0.15 + 2 * 0.0424264)
+    assert (h["issue_default"], h["shipped_default"]) == ("decoupled", "none")
+    assert headline({"decoupled": {"0": cell(0.7, 0.01)}})["none_eta8_gap"] is None
 
 
 def test_staleness_ablation_command_lines_are_valid_configs(tmp_path: Path, monkeypatch) -> None:
@@ -300,9 +303,9 @@ def test_staleness_ablation_command_lines_are_valid_configs(tmp_path: Path, monk
         for c, argv in zip(staleness_ablation.CORRECTIONS, seen, strict=True)
     }
     assert {c: cfg.learner.loss.policy_loss for c, cfg in configs.items()} == {
-        "default": "decoupled_ppo", "none": "ppo", "tis": "tis", "icepop": "icepop", "decoupled_m2": "decoupled_ppo",
+        "decoupled": "decoupled_ppo", "none": "ppo", "tis": "tis", "icepop": "icepop", "decoupled_m1": "decoupled_ppo",
     }  # fmt: skip
-    assert configs["decoupled_m2"].learner.lr == configs["default"].learner.lr / 2
+    assert configs["decoupled"].learner.lr == configs["none"].learner.lr / 2
     for cfg in configs.values():
         assert (cfg.shared.eta, cfg.learner.max_steps, cfg.learner.ppo_minibatches) == (8, 5, 2)
         assert cfg.eval.heldout_prompts == 1000 and cfg.rollout.task.heldout_size == 1000
