@@ -218,6 +218,12 @@ class RolloutConfig(Section):
         ge=0,
         description="On SIGTERM, how long in-flight groups may take to finish before they are handed back.",
     )
+    max_rejected_in_a_row: int = Field(
+        32,
+        ge=0,
+        description="Groups in a row the engines reject (HTTP 4xx: bad_request) before the worker stops with "
+        "exit code 2: a wrong request (sampling key, LoRA name) would drop every prompt; 0: never stop.",
+    )
     admission_poll_s: float = Field(
         0.2,
         gt=0,

@@ -47,7 +47,7 @@ from rollout_fleet.router import Router
 from rollout_fleet.sandbox import check_sandbox
 from rollout_fleet.tasks import TRAIN, TaskError
 from rollout_fleet.tasks.config import build_task
-from rollout_fleet.worker import RolloutWorker, VersionCache
+from rollout_fleet.worker import RequestsRejected, RolloutWorker, VersionCache
 
 log = logging.getLogger("streamrl.rollout")
 
@@ -284,4 +284,7 @@ def run_rollout(
             return runner.run(_serve(shared, broker, engine, rollout, groups_per_step, adapter_name))
     except (ConfigError, TaskError, DispatchMismatch, FleetError, RedisNotFound, OSError) as exc:
         log.error("rollout worker cannot run: %s", exc)
+        return 2
+    except RequestsRejected as exc:
+        log.error("rollout worker stopped: %s", exc)
         return 2

@@ -82,6 +82,11 @@ class GroupAbandoned(Exception):
         super().__init__(f"{reason} ({action}): {detail}")
 
 
+class RequestsRejected(Exception):
+    """``rollout.max_rejected_in_a_row`` groups in a row were rejected by the engines: the requests are wrong
+    (a configuration error), not the prompts, and going on would drop every prompt of the run."""
+
+
 class VersionCache:
     """The published policy version, cached for the admission bound: re-read on every announcement on the
     control stream and at least every ``poll_s``. Nothing published yet counts as version 0."""
@@ -247,6 +252,9 @@ class RolloutWorker:
         self.versions.on_change = self._on_new_version
         self.finished = False  # True when every prompt up to max_epochs is done
         self._first_request_marked = False
+        # groups rejected by the engines (bad_request) since the last one produced
+        self._rejected_in_a_row = 0
+        self._rejection_failure: str | None = None  # set once they reach rollout.max_rejected_in_a_row
 
     # -- the main loop ---------------------------------------------------------------------------------------
 
@@ -294,6 +302,8 @@ class RolloutWorker:
         poll = self.config.admission_poll_s
         while not stop.is_set():
             self._wake.clear()
+            if self._rejection_failure is not None:
+                raise RequestsRejected(self._rejection_failure)
             if len(self._groups) >= self.config.max_concurrent_groups:
                 await self._sleep(poll)
                 continue
@@ -387,6 +397,7 @@ class RolloutWorker:
             group = await self._generate_group(lease, group_id)
             await self.producer.send(group)
             status = await self.dispatch.complete(lease, "produced")
+            self._rejected_in_a_row = 0
             self.stats.groups_produced += 1
             if status == "DUP":  # another worker had finished this prompt (the producer answered DUP too)
                 self.stats.groups_duplicate += 1
@@ -412,7 +423,27 @@ class RolloutWorker:
         with contextlib.suppress(Exception):
             await self.redis.hsetnx(self.shared.key(RUN_INFO_KEY), "first_request_at", repr(time.time()))
 
+    def _count_rejection(self, gone: GroupAbandoned) -> GroupAbandoned:
+        """Count a group the engines rejected. Once ``max_rejected_in_a_row`` were rejected since the last group
+        produced, the worker stops (the lease loop raises :class:`RequestsRejected`), and this group and every
+        later rejected one are handed back instead of dropped: a run resumed with the request fixed trains them."""
+        self._rejected_in_a_row += 1
+        limit = self.config.max_rejected_in_a_row
+        if limit == 0 or (self._rejection_failure is None and self._rejected_in_a_row < limit):
+            return gone
+        if self._rejection_failure is None:
+            self._rejection_failure = (
+                f"{self._rejected_in_a_row} groups in a row were rejected by the engines "
+                f"(rollout.max_rejected_in_a_row = {limit}), the last with {gone.detail}: the requests are "
+                "wrong, not the prompts (check the sampling parameters, the LoRA adapter, the engine's limits)"
+            )
+            log.error("%s", self._rejection_failure)
+            self._wake.set()
+        return GroupAbandoned(gone.reason, HAND_BACK, gone.detail)
+
     async def _abandon(self, lease: Lease, gone: GroupAbandoned) -> None:
+        if gone.reason == "bad_request":
+            gone = self._count_rejection(gone)
         if gone.action == DROP:
             log.warning("dropping group of prompt %d (epoch %d): %s", lease.prompt_index, lease.epoch, gone)
             status = await self.dispatch.complete(lease, "dropped", reason=gone.reason, detail=gone.detail)

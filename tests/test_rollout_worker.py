@@ -33,7 +33,7 @@ from rollout_fleet.engine.server import ServerSettings, ServerThread
 from rollout_fleet.main import open_worker
 from rollout_fleet.model import init_tiny_model
 from rollout_fleet.tasks.config import RewardConfig, TaskConfig
-from rollout_fleet.worker import WorkerStats
+from rollout_fleet.worker import RequestsRejected, WorkerStats
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(90)
@@ -315,3 +315,26 @@ async def test_admission_with_eta_0_starts_one_step_of_groups_per_version(
         stats = await asyncio.wait_for(worker, 30)
         await client.aclose()
     assert stats.wait_capacity_s > 0 and not stats.finished
+
+
+async def test_a_worker_whose_requests_are_all_rejected_stops_and_hands_the_prompts_back(
+    redis_url: str, model_dir: Path, two_engines: list[ServerThread]
+) -> None:
+    """A wrong request (here max_new_tokens beyond the engine's context, a real HTTP 400) would drop every
+    prompt of the run one group at a time. After max_rejected_in_a_row rejected groups the worker stops with
+    the engine's message, and every later group goes back to the dispatcher instead of the dropped stream: a
+    worker with the request fixed then produces all of them."""
+    shared, engine, rollout = configs(
+        model_dir, [], task=TaskConfig(name="arithmetic", seed=0, train_size=12), max_rejected_in_a_row=4
+    )
+    with serving(model_dir, max_context_len=16) as short:  # prompts of 4-18 tokens + 16 new never fit
+        bad = rollout.model_copy(update={"engine_urls": [short.url]})
+        with pytest.raises(RequestsRejected, match=r"4 groups in a row .*maximum context length of 16"):
+            await run_worker(redis_url, shared, engine, bad)
+    drops = await read_drops(redis_url, shared)
+    assert [d["reason"] for d in drops] == ["bad_request"] * 3  # the 4th and later were handed back
+    good = rollout.model_copy(update={"engine_urls": [srv.url for srv in two_engines], "worker_id": "w1"})
+    stats = await run_worker(redis_url, shared, engine, good)
+    assert stats.finished and stats.groups_produced == 9
+    produced = {g.prompt_index for g in await read_records(redis_url, shared)}
+    assert produced | {int(d["prompt_index"]) for d in drops} == set(range(12))
