@@ -3,8 +3,12 @@ before the step's first update), whose log-probs the step computes once, before 
 
 The hand computation below is independent of ``learner.losses``: per sequence, unpadded, PPO-clip on
 ``r = pi / pi_prox`` with the behaviour weight ``pi_prox / mu`` (1 here: on-policy data), dual clip included,
-and SGD's update is minus the learning rate times its gradient. A learner that passed the current policy as
-the proximal one (the bug this replaces) has ``r = 1`` in every update, never clips, and fails the comparison.
+and SGD's update is minus the learning rate times its gradient. On on-policy data mu = pi_prox, so the same
+computation is every token-level loss's (``ppo`` takes its ratio to mu, the others to pi_prox; the weights of
+``decoupled_ppo``, ``tis`` and ``icepop`` are 1) and, with the ratio taken per sequence (the mean log-ratio,
+capped) and GSPO's epsilons, GSPO's. A learner that passed the current policy as the proximal one (the bug this
+replaces) has ``r = 1`` in every update of the losses that take their ratio to it, never clips, and fails the
+comparison.
 """
 
 from __future__ import annotations
@@ -34,22 +38,37 @@ def _logp(model: torch.nn.Module, s: TrainSequence, temperature: float) -> torch
     return logp[len(s.prompt_ids) - 1 :]
 
 
+def _surrogate(ratio: torch.Tensor, adv: torch.Tensor, low: float, high: float, dual: float | None):
+    unclipped = -adv * ratio
+    bounded = -adv * ratio.clamp(1 - low, 1 + high)
+    per_token = torch.maximum(unclipped, bounded)
+    if dual is not None:
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -dual * adv), per_token)
+    return per_token, bounded > unclipped
+
+
 def _hand_update(model, seqs, temps, prox, loss_cfg: LossConfig) -> int:  # noqa: ANN001
-    """One SGD update of PPO-clip against ``prox`` over ``seqs`` (token-mean); returns the clipped tokens."""
+    """One SGD update of PPO-clip against ``prox`` over ``seqs`` (token-mean); returns the clipped tokens.
+
+    GSPO: one ratio per sequence, exp of its mean log-ratio capped at +-gspo_log_ratio_cap, GSPO's epsilons."""
     model.zero_grad()
     tokens = sum(float(s.loss_mask.sum()) for s in seqs)
     clipped = 0
     for s in seqs:
         logp = _logp(model, s, temps[s.index])
-        ratio = torch.exp(logp - prox[s.index])
+        mask = s.loss_mask.float()
+        if loss_cfg.policy_loss == "gspo":
+            cap = loss_cfg.gspo_log_ratio_cap
+            seq_log_ratio = ((logp - prox[s.index]) * mask).sum() / mask.sum()
+            ratio = torch.exp(seq_log_ratio.clamp(-cap, cap)).expand_as(logp)
+            low, high = loss_cfg.gspo_eps_low, loss_cfg.gspo_eps_high
+        else:
+            ratio = torch.exp(logp - prox[s.index])
+            low, high = loss_cfg.eps_low, loss_cfg.eps_high
         adv = torch.full_like(ratio, float(s.advantages))
-        unclipped = -adv * ratio
-        bounded = -adv * ratio.clamp(1 - loss_cfg.eps_low, 1 + loss_cfg.eps_high)
-        per_token = torch.maximum(unclipped, bounded)
-        if loss_cfg.dual_clip is not None:
-            per_token = torch.where(adv < 0, torch.minimum(per_token, -loss_cfg.dual_clip * adv), per_token)
-        clipped += int(((bounded > unclipped) & (s.loss_mask > 0)).sum())
-        (per_token * s.loss_mask).sum().div(tokens).backward()
+        per_token, clip = _surrogate(ratio, adv, low, high, loss_cfg.dual_clip)
+        clipped += int((clip & (s.loss_mask > 0)).sum())
+        (per_token * mask).sum().div(tokens).backward()
     with torch.no_grad():
         for p in model.parameters():
             if p.grad is not None:
@@ -74,7 +93,7 @@ def _on_policy(model, raw, temps) -> list[TrainSequence]:  # noqa: ANN001
         ]  # fmt: skip
 
 
-@pytest.mark.parametrize("policy_loss", ["decoupled_ppo", "tis"])
+@pytest.mark.parametrize("policy_loss", ["ppo", "decoupled_ppo", "tis", "icepop", "gspo"])
 def test_second_minibatch_clips_against_the_proximal_policy(tmp_path: Path, policy_loss: str) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
