@@ -360,10 +360,10 @@ class RayLauncher:
         return cfg
 
     def adapt(
-        self, before: list[ChildSpec], after: list[ChildSpec]
-    ) -> tuple[list[ChildSpec], list[ChildSpec]]:
-        """The local specs, changed where the cluster differs: a learner failure stops the run."""
-        for spec in (*before, *after):
+        self, before: list[list[ChildSpec]], after: list[list[ChildSpec]]
+    ) -> tuple[list[list[ChildSpec]], list[list[ChildSpec]]]:
+        """The local specs (stages of them), changed where the cluster differs: a learner failure stops the run."""
+        for spec in (spec for stage in (*before, *after) for spec in stage):
             if spec.name == "learner":
                 spec.restart = "never"
             elif spec.name in self.engine_ips and self.multi_host:

@@ -27,7 +27,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
@@ -177,11 +177,20 @@ class Supervisor:
         return f"{state.spec.name} (pid {state.process.pid}) died with {how}; last lines of {state.log_path}:\n{tail(state.log_path)}"
 
     def start(self, spec: ChildSpec) -> ChildState:
-        state = ChildState(spec, self._spawn(spec), self.log_dir / f"{spec.name}.log")
-        self.children.append(state)
-        self._write_records()
-        self._wait_ready(state)
-        return state
+        """Start ``spec`` and wait until it is ready."""
+        return self.start_together([spec])[0]
+
+    def start_together(self, specs: Sequence[ChildSpec]) -> list[ChildState]:
+        """Start every spec at once, then wait until each is ready: roles that need nothing of each other start
+        side by side (two engines' imports overlap each other's and Redis's start-up instead of queueing)."""
+        states = []
+        for spec in specs:
+            states.append(ChildState(spec, self._spawn(spec), self.log_dir / f"{spec.name}.log"))
+            self.children.append(states[-1])
+            self._write_records()
+        for state in states:
+            self._wait_ready(state)
+        return states
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):

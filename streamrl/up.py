@@ -1,12 +1,12 @@
 """``streamrl up``: every role on one node under one supervisor, a live status line, and a summary.
 
-Order of start (each waits for the previous to be ready): Redis, the engines, a held-out evaluation of the
-starting policy, the learner (ready once it has published version 0 to the engines), the rollout workers, the
-evaluator (unless ``eval.every_versions`` is 0) and the dashboard. The run ends when the
-learner reaches ``learner.max_steps`` (then the final policy is evaluated through the engines and
-``RUN_DIR/summary.json`` written), when a role has died more often than its restart budget (``up.*_restarts``
-within ``up.restart_window_s``; the others are stopped and the reason printed), or on SIGTERM / Ctrl-C (every
-role drains and checkpoints). Every role is restarted when it dies: Redis on its own port and AOF (clients
+Order of start (each stage waits for the previous one to be ready): Redis and the engines side by side, the
+archiver (and an sglang-router), a held-out evaluation of the starting policy, the learner (ready once it has
+published version 0 to the engines), then the rollout workers, the evaluator (unless ``eval.every_versions`` is
+0) and the dashboard. The run ends when the learner reaches ``learner.max_steps`` (then the final policy is
+evaluated through the engines and ``RUN_DIR/summary.json`` written), when a role has died more often than its
+restart budget (``up.*_restarts`` within ``up.restart_window_s``; the others are stopped and the reason
+printed), or on SIGTERM / Ctrl-C (every role drains and checkpoints). Every role is restarted when it dies: Redis on its own port and AOF (clients
 reconnect), an engine (the learner brings it back to the current policy before it serves rollouts), the learner
 from its last durable checkpoint, the rollout workers, the evaluator and the dashboard.
 
@@ -215,21 +215,26 @@ def finish_manifest(cfg: StreamRLConfig, doc: dict[str, Any], code: int, totals:
     manifest.write_manifest(cfg.shared.run_dir / manifest.MANIFEST_FILE, doc)
 
 
-def child_specs(cfg: StreamRLConfig, config_path: Path) -> tuple[list[ChildSpec], list[ChildSpec]]:
-    """(children started before the baseline evaluation, children started after it). Each is restarted when
-    it dies, within its budget ``up.<role>_restarts``."""
+def child_specs(
+    cfg: StreamRLConfig, config_path: Path
+) -> tuple[list[list[ChildSpec]], list[list[ChildSpec]]]:
+    """(children started before the baseline evaluation, children started after it), each a list of stages: the
+    children of a stage start together and the next stage starts once all of them are ready. Each child is
+    restarted when it dies, within its budget ``up.<role>_restarts``."""
     up = cfg.up
 
     def role(name: str, command: str, budget: int, *args: str, **spec: Any) -> ChildSpec:
         spec.setdefault("restart", "on-failure")
         return ChildSpec(name, _argv(command, config_path, *args), max_restarts=budget, **spec)
 
-    before: list[ChildSpec] = []
+    # The engines need nothing of Redis: they start beside it. The archiver needs Redis, the router the engines.
+    servers: list[ChildSpec] = []
+    then: list[ChildSpec] = []
     if not cfg.shared.redis_url:
-        before.append(role("redis", "redis", up.redis_restarts, ready=lambda: _redis_ready(cfg)))
+        servers.append(role("redis", "redis", up.redis_restarts, ready=lambda: _redis_ready(cfg)))
     if cfg.archive.enabled:  # before any group is produced, so its consumer group sees every entry
-        before.append(role("archive", "archive", up.archive_restarts, ready=lambda: _archive_ready(cfg),
-                           essential=False))  # fmt: skip
+        then.append(role("archive", "archive", up.archive_restarts, ready=lambda: _archive_ready(cfg),
+                         essential=False))  # fmt: skip
     for i, url in enumerate(cfg.rollout.engine_urls):
         port, seed = url.rsplit(":", 1)[1], json.dumps(cfg.engine.seed_of(i))
         engine = role(
@@ -237,9 +242,9 @@ def child_specs(cfg: StreamRLConfig, config_path: Path) -> tuple[list[ChildSpec]
             ready=lambda u=url: _http_ok(f"{u}/model_info"),
             restart="always",  # an engine exits only when told to (or when it dies)
         )  # fmt: skip
-        before.append(engine)
+        servers.append(engine)
     if cfg.rollout.router == "sglang" and cfg.rollout.sglang_router_port:  # an sglang-router in front of them
-        before.append(role(
+        then.append(role(
             "router", "router", up.engine_restarts,
             ready=lambda: _router_ready(cfg),
             restart="always",
@@ -253,14 +258,16 @@ def child_specs(cfg: StreamRLConfig, config_path: Path) -> tuple[list[ChildSpec]
         ready=lambda: _version_published(cfg),
         ready_timeout_s=cfg.weight_sync.wait_for_engines_s + cfg.weight_sync.timeout_s,
     )  # fmt: skip
-    after = [learner]
+    clients: list[ChildSpec] = []
     for w in range(cfg.rollout.workers):
-        after.append(role(f"rollout-{w}", "rollout", up.rollout_restarts, f"--rollout.worker_id=worker-{w}"))
+        clients.append(
+            role(f"rollout-{w}", "rollout", up.rollout_restarts, f"--rollout.worker_id=worker-{w}")
+        )
     if cfg.eval.every_versions > 0:
-        after.append(role("eval", "eval", up.eval_restarts))
+        clients.append(role("eval", "eval", up.eval_restarts))
     dash = f"http://{cfg.dashboard.host}:{cfg.dashboard.port}/"
-    after.append(role("dashboard", "dashboard", up.dashboard_restarts, ready=lambda: _http_ok(dash)))
-    return before, after
+    clients.append(role("dashboard", "dashboard", up.dashboard_restarts, ready=lambda: _http_ok(dash)))
+    return [stage for stage in (servers, then) if stage], [[learner], clients]
 
 
 def evaluate_now(cfg: StreamRLConfig, label: str, version: int = 0) -> dict[str, float]:
@@ -386,14 +393,14 @@ def _supervise(config: StreamRLConfig, started: float, launcher: RayLauncher | N
     summary: dict[str, Any] = {"run_dir": str(run_dir)}
     code = 1
     try:
-        for spec in before:
-            sup.start(spec)
+        for stage in before:
+            sup.start_together(stage)
         run_manifest = record_redis(cfg, run_manifest)
         summary["eval_before"] = evaluate_now(cfg, "before")
         gen_started = time.time()
         summary["training_started_at"] = gen_started
-        for spec in after:
-            sup.start(spec)
+        for stage in after:
+            sup.start_together(stage)
         code = sup.watch(on_tick=status.ticker(cfg.up.status_interval_s), stop_at_end=False)
         summary["training_wall_seconds"] = time.time() - gen_started
         if code == 0 and not sup.stop_requested.is_set():

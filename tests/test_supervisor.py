@@ -32,6 +32,21 @@ def test_one_dies_all_stop_with_reason(tmp_path: Path) -> None:
     assert "drained" in (tmp_path / "logs" / "sleeper.log").read_text()
 
 
+def test_children_started_together_are_all_running_before_the_first_is_waited_for(tmp_path: Path) -> None:
+    # each is ready only once the other has written its file: started one after the other, the first would
+    # never be ready (its probe gives up after 10 s); started together, both are ready at once
+    def child(name: str, other: str) -> ChildSpec:
+        code = f"import pathlib,time; pathlib.Path({str(tmp_path / name)!r}).touch(); time.sleep(600)"
+        return ChildSpec(name, _py(code), ready=lambda: (tmp_path / other).exists(), ready_timeout_s=10)
+
+    sup = Supervisor(tmp_path / "logs", grace_s=5, poll_s=0.05)
+    started = time.monotonic()
+    a, b = sup.start_together([child("a", "b"), child("b", "a")])
+    assert time.monotonic() - started < 10 and a.process.poll() is None and b.process.poll() is None
+    sup.stop_all()
+    assert a.process.returncode is not None and b.process.returncode is not None
+
+
 def test_restart_on_failure_is_bounded(tmp_path: Path) -> None:
     counter = tmp_path / "count"
     code = f"import pathlib,sys; p=pathlib.Path({str(counter)!r}); p.write_text(p.read_text()+'x' if p.exists() else 'x'); sys.exit(1)"
