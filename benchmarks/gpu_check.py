@@ -147,24 +147,32 @@ def init_one_rank() -> Any:
     return init_distributed(timeout_s=TIMEOUT_S, threads=1)
 
 
-def build_model(shape: dict[str, Any], device: Any, mixed_precision: str) -> Any:
-    """A Qwen2 of ``shape`` with random weights (seeded), fp32 master weights on ``device``, sharded by FSDP2."""
+def random_model(shape: dict[str, Any], device: Any, attn_implementation: str = "sdpa") -> Any:
+    """A Qwen2 of ``shape`` with random weights (seeded) on ``device``, its buffers (the rotary frequencies)
+    computed as from_pretrained would."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from learner.attention import register_packed_attention, resolve_attention_kernel
-    from learner.distributed import compute_dtype, shard_model
-
-    # the packed attention the trainer picks on this device (flash-attention's varlen kernel where it serves)
-    kernel = resolve_attention_kernel("auto", device, compute_dtype(mixed_precision, device))  # type: ignore[arg-type]
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(Qwen2Config(**shape, attn_implementation=register_packed_attention(kernel)))
-    model = model.to_empty(device=device)
+    # built on the device, not on "meta" then to_empty: to_empty leaves the rotary embedding's inv_freq buffer
+    # uninitialised memory, which made the step's loss NaN now and then
+    with torch.device(device):
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, attn_implementation=attn_implementation))
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.02, generator=gen)
     model.tie_weights()
+    return model
+
+
+def build_model(shape: dict[str, Any], device: Any, mixed_precision: str) -> Any:
+    """:func:`random_model` with fp32 master weights on ``device``, sharded by FSDP2."""
+    from learner.attention import register_packed_attention, resolve_attention_kernel
+    from learner.distributed import compute_dtype, shard_model
+
+    # the packed attention the trainer picks on this device (flash-attention's varlen kernel where it serves)
+    kernel = resolve_attention_kernel("auto", device, compute_dtype(mixed_precision, device))  # type: ignore[arg-type]
+    model = random_model(shape, device, register_packed_attention(kernel))
     return shard_model(model, device, mixed_precision=mixed_precision)  # type: ignore[arg-type]
 
 

@@ -88,7 +88,7 @@ def test_every_versions_0_leaves_the_live_evaluator_out_of_up(tmp_path: Path) ->
         cfg.shared.run_dir = tmp_path
         cfg.rollout.engine_urls = ["http://127.0.0.1:1"]
         before, after = child_specs(cfg, tmp_path / "config.toml")
-        return [s.name for s in before + after]
+        return [s.name for stage in before + after for s in stage]
 
     assert "eval" in roles(5)
     assert "eval" not in roles(0)

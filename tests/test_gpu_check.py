@@ -55,3 +55,19 @@ def test_on_the_cpu_the_learner_step_and_the_sync_parts_run_for_real(tmp_path: P
     assert len(sync["samples"]["sync"]) == 2
     for name in ("pytest_gpu", "sglang_fleet"):
         assert parts[name]["status"] == "skipped" and "CUDA" in parts[name]["reason"]
+
+
+def test_the_random_model_has_its_rotary_frequencies_not_uninitialised_memory() -> None:
+    # a model built on "meta" then moved with to_empty kept garbage in inv_freq: the bf16 step's loss was NaN in
+    # some runs (two of three on 2026-12-04)
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from benchmarks.gpu_check import SMALL, random_model
+
+    model = random_model(SMALL, torch.device("cpu"))
+    reference = Qwen2ForCausalLM(Qwen2Config(**SMALL))
+    buffers = dict(model.named_buffers())
+    assert "model.rotary_emb.inv_freq" in buffers
+    for name, expected in reference.named_buffers():
+        torch.testing.assert_close(buffers[name], expected, msg=name)
