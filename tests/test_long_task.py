@@ -395,8 +395,12 @@ class StreamWatcher:
     async def _watch(self) -> None:
         while not self.stop.is_set() and not url_file(self.shared).is_file():
             await asyncio.sleep(0.5)
-        client = connect(resolve_redis_url(self.shared), BrokerConfig())
-        consumer = Consumer(client, self.shared, BrokerConfig(), "watch", consumer_group="watch")
+        # Not named like a role ("streamrl..."): the run's Redis waits for its roles' connections to leave before
+        # it stops, and waited out its whole drain timeout for this one. Few reconnects: once the run has
+        # stopped, nothing is left to read.
+        config = BrokerConfig(retry_attempts=2)
+        client = connect(resolve_redis_url(self.shared), config, name="test-stream-watcher")
+        consumer = Consumer(client, self.shared, config, "watch", consumer_group="watch")
         try:
             while not self.stop.is_set():
                 with contextlib.suppress(redis.RedisError, OSError):
