@@ -11,7 +11,8 @@ from the run's records (``streamrl audit`` over the durable per-group outcomes, 
 - the last step is reached and the final evaluation is of the final policy;
 - the share of generated groups dropped as stale stays within ``STALE_MARGIN`` of a run with no kill.
 
-The engine, learner rank 1 and the Redis server are in the default run; the other processes are ``slow``.
+A learner rank killed under ``up`` is in the default run, without the stale-share comparison; every kill with
+it is ``slow``.
 """
 
 from __future__ import annotations
@@ -91,25 +92,33 @@ def run_with_kill(warm_model: Path, run_dir: Path, target: str) -> tuple[str, di
     return out, summary, report
 
 
+def test_kill_9_of_a_learner_rank_under_up_loses_nothing(warm_model: Path, tmp_path: Path) -> None:
+    """In the default run, the kill that only this test covers: a learner rank under `up` (the learner role
+    restarted, the run resumed from its checkpoint), checked from the records (check_run). An engine killed
+    mid-run is covered end to end by test_fleet_engines.py and test_weight_sync_e2e.py, the Redis server killed by
+    test_broker_crash.py. The stale-share bound against a run with no kill is the slow test's below: it compares
+    one run with one run and is not sized from a measured distribution (README, "Tests": it failed in 2 of 4
+    runs on 2026-12-04)."""
+    out, summary, report = run_with_kill(warm_model, tmp_path / "run", "learner-rank-1")
+    assert "learner (pid" in out and "restarting it" in out, out[-3000:]
+    print(
+        f"learner-rank-1: stale {stale_fraction(report):.3f}, audit {report}, wall {summary['wall_seconds']:.0f} s"
+    )
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "target",
     [
-        # In the default run, the kill that only this test covers: a learner rank under `up` (restarted, the
-        # run resumed from its checkpoint). An engine killed mid-run is covered end to end by
-        # test_fleet_engines.py and test_weight_sync_e2e.py, the Redis server killed by test_broker_crash.py.
-        "learner-rank-1",
-        pytest.param("engine-0", marks=pytest.mark.slow),
-        pytest.param("redis-server", marks=pytest.mark.slow),
-        pytest.param("learner-rank-0", marks=pytest.mark.slow),
-        pytest.param("learner", marks=pytest.mark.slow),  # the launcher of the ranks
-        pytest.param("rollout-0", marks=pytest.mark.slow),
-        pytest.param("eval", marks=pytest.mark.slow),
-        pytest.param("dashboard", marks=pytest.mark.slow),
-        pytest.param("archive", marks=pytest.mark.slow),
-        pytest.param("redis", marks=pytest.mark.slow),  # `streamrl redis`, which runs the server
+        "learner-rank-1", "engine-0", "redis-server", "learner-rank-0",
+        "learner",  # the launcher of the ranks
+        "rollout-0", "eval", "dashboard", "archive",
+        "redis",  # `streamrl redis`, which runs the server
     ],
-)
-def test_kill_9_mid_run_loses_nothing(target: str, warm_model: Path, baseline: dict, tmp_path: Path) -> None:
+)  # fmt: skip
+def test_kill_9_mid_run_loses_nothing_and_costs_few_stale_drops(
+    target: str, warm_model: Path, baseline: dict, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "run"
     out, summary, report = run_with_kill(warm_model, run_dir, target)
     restarted = RESTARTED_ROLE.get(target, target)
