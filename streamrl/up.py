@@ -6,9 +6,10 @@ published version 0 to the engines), then the rollout workers, the evaluator (un
 0) and the dashboard. The run ends when the learner reaches ``learner.max_steps`` (then the final policy is
 evaluated through the engines and ``RUN_DIR/summary.json`` written), when a role has died more often than its
 restart budget (``up.*_restarts`` within ``up.restart_window_s``; the others are stopped and the reason
-printed), or on SIGTERM / Ctrl-C (every role drains and checkpoints). Every role is restarted when it dies: Redis on its own port and AOF (clients
-reconnect), an engine (the learner brings it back to the current policy before it serves rollouts), the learner
-from its last durable checkpoint, the rollout workers, the evaluator and the dashboard.
+printed), or on SIGTERM / Ctrl-C (every role drains and checkpoints). Every role is restarted when it dies: Redis
+on its own port and AOF (clients reconnect), an engine (the learner brings it back to the current policy before
+it serves rollouts), the learner from its last durable checkpoint, the rollout workers, the evaluator and the
+dashboard.
 
 With ``--up.launcher=ray`` the same roles, the same commands and the same supervision run on a Ray cluster:
 streamrl.ray_launcher places each role process (docs/cluster.md) and hands the supervisor a handle on it.

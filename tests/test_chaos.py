@@ -97,7 +97,7 @@ def test_kill_9_of_a_learner_rank_under_up_loses_nothing(warm_model: Path, tmp_p
     restarted, the run resumed from its checkpoint), checked from the records (check_run). An engine killed
     mid-run is covered end to end by test_fleet_engines.py and test_weight_sync_e2e.py, the Redis server killed by
     test_broker_crash.py. The stale-share bound against a run with no kill is the slow test's below: it compares
-    one run with one run and is not sized from a measured distribution (README, "Tests": it failed in 2 of 4
+    one run with one run and is not sized from a measured distribution (README, "Tests": it failed in 2 of 5
     runs on 2026-12-04)."""
     out, summary, report = run_with_kill(warm_model, tmp_path / "run", "learner-rank-1")
     assert "learner (pid" in out and "restarting it" in out, out[-3000:]
