@@ -41,6 +41,7 @@ from broker.codec import decode
 from broker.config import BrokerConfig, SharedConfig
 from broker.outcomes import RECORDS_LUA, Outcome
 from broker.record import KNOWN_SCHEMA_VERSIONS, RecordError, TrajectoryGroup
+from broker.staleness import COUNTERS_LUA
 
 # Stream ids compared as (milliseconds, sequence): parse and less, for the scripts below.
 STREAM_ID_LUA = """
@@ -148,12 +149,21 @@ return 1
 
 _DROP = (
     RECORDS_LUA
+    + COUNTERS_LUA
     + """
--- KEYS: 1 dropped stream, 2 dropped index hash, 3 counters hash
+-- KEYS: 1 dropped stream, 2 dropped index hash, 3 counters hash, 4 (optional) the admission counters hash
 -- ARGV: 1 group id, 2 reason, 3.. field name/value pairs
+-- Returns {record id, 1 if this call recorded it (0: an earlier drop of the group did), 1 if it gave the group's
+-- admission capacity back}. The record and the give-back are one step: a crash cannot separate them, and a
+-- group's capacity comes back once however often it is dropped again after restarts.
+local existing = redis.call('HGET', KEYS[2], ARGV[1])
+if existing then return {existing, 0, 0} end
 local fields = {}
 for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
-return record_drop(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], fields)
+local id = record_drop(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], fields)
+local gave = 0
+if KEYS[4] then gave = move(KEYS[4], 'accepted', 'dropped', 1) end
+return {id, 1, gave}
 """
 )
 
@@ -192,6 +202,16 @@ class Delivery:
     group: TrajectoryGroup
     delivery_count: int
     nbytes: int  # payload size
+
+
+@dataclass(frozen=True)
+class DropRecord:
+    """What :meth:`Consumer.drop` did: the group's record in the dropped stream, whether this call wrote it (a
+    repeat returns the first one's id), and whether it gave the group's admission capacity back."""
+
+    record_id: str
+    first: bool
+    gave_back: bool
 
 
 @dataclass
@@ -547,10 +567,15 @@ class Consumer:
 
     # ----- drops and trimming ---------------------------------------------------------------------------
 
-    async def drop(self, item: Delivery | TrajectoryGroup, reason: str, detail: str = "") -> str:
+    async def drop(
+        self, item: Delivery | TrajectoryGroup, reason: str, detail: str = "", admission: str | None = None
+    ) -> DropRecord:
         """Record in the durable dropped stream that a group is not trained on, and why (a short code such as
         ``stale``, ``zero_signal``, ``reward_error``). Once per group id: a repeated drop returns the first
-        record's id. The original entry still has to be acknowledged with the next checkpoint."""
+        record's id and changes nothing. With ``admission`` (the admission counters' hash,
+        broker.staleness.RedisCounters.key) the first drop also gives the group's admission capacity back
+        (accepted -> dropped) in the same script. The original entry still has to be acknowledged with the next
+        checkpoint."""
         if not _REASON.match(reason):
             raise ValueError(f"reason = {reason!r}: must be a short code like 'stale' ([a-z0-9_])")
         group = item.group if isinstance(item, Delivery) else item
@@ -570,7 +595,21 @@ class Consumer:
         for k, v in fields.items():
             args += [k, v]
         keys = [self.keys.dropped, self.keys.dropped_index, self.keys.counters]
-        return _text(await self._drop(keys=keys, args=args))
+        if admission is not None:
+            keys.append(admission)
+        record_id, first, gave_back = await self._drop(keys=keys, args=args)
+        return DropRecord(_text(record_id), bool(first), bool(gave_back))
+
+    async def recorded_drop(self, group_id: str) -> str | None:
+        """The reason of the group's drop record, or None when it was never dropped: a learner that meets a
+        group again after a restart keeps the decision it recorded before the crash."""
+        record_id = await self.client.hget(self.keys.dropped_index, group_id)
+        if record_id is None:
+            return None
+        rows = await self.client.xrange(self.keys.dropped, min=record_id, max=record_id)
+        if not rows:  # the record was trimmed away: the index alone says it was dropped
+            return "dropped"
+        return _text(rows[0][1].get(b"reason", b"dropped"))
 
     async def trim(self) -> int:
         """XTRIM MINID below the oldest entry any consumer group has pending or not yet delivered; returns how

@@ -114,3 +114,34 @@ def stop_leftovers(records: Iterable[ProcessRecord], grace_s: float, log: Callab
     while any(r.alive() for r in alive) and time.monotonic() < deadline:
         time.sleep(0.05)
     return len(alive)
+
+
+CRASH_AT_ENV = (
+    "STREAMRL_CRASH_AT"  # "<point>" or "<point>@<n>": SIGKILL this process the n-th time it passes there
+)
+CRASH_RANK_ENV = "STREAMRL_CRASH_RANK"  # only the process whose RANK is this one (default: any)
+CRASH_GROUP_ENV = "STREAMRL_CRASH_GROUP"  # "1": SIGKILL the whole process group (every learner rank at once)
+_crash_passes: dict[str, int] = {}
+
+
+def crash_point(name: str) -> None:
+    """A named place where a test can kill this process with SIGKILL (``STREAMRL_CRASH_AT=name[@n]``), to put a
+    crash exactly inside a window that load only hits now and then. Nothing happens unless the variable names
+    this point; the tests that use it are the exactly-once tests (tests/test_learner_train.py)."""
+    wanted = os.environ.get(CRASH_AT_ENV)
+    if not wanted:
+        return
+    point, _, nth = wanted.partition("@")
+    if point != name:
+        return
+    rank = os.environ.get(CRASH_RANK_ENV)
+    if rank is not None and os.environ.get("RANK", "0") != rank:
+        return
+    _crash_passes[name] = _crash_passes.get(name, 0) + 1
+    if _crash_passes[name] < int(nth or 1):
+        return
+    sys.stderr.write(f"crash point {name} (pass {_crash_passes[name]}): SIGKILL\n")
+    sys.stderr.flush()
+    if os.environ.get(CRASH_GROUP_ENV) == "1":
+        os.killpg(0, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -2,14 +2,23 @@
 
 Layout under ``RUN_DIR/checkpoints``::
 
-    step_00000010/            one complete checkpoint (never partially written: built in a .tmp dir, renamed)
+    step_00000010/            one committed checkpoint (built in step_00000010.tmp, then renamed)
         model_optim/          DCP shards of the model and optimizer
         rng_rank{r}.pt        per-rank RNG states
-        meta.json             step, policy version, scheduler state, the consumed ledger (written last)
-    LATEST                    name of the newest complete checkpoint (replaced atomically)
+        meta.json             step, policy version, scheduler state, the consumed ledger, its parent
+    step_00000010.1/          a second checkpoint of step 10 (a stop right after one, with new drops to record)
+    LATEST                    name of the newest committed checkpoint, for people; never read back
 
 The ledger records which stream entries the checkpoint contains (trained or dropped, keyed by group id), so
 after a crash the learner acknowledges exactly those and trains the rest once.
+
+The rename of the ``.tmp`` directory is the one commit point: a checkpoint exists once its directory has its
+final name, and the newest such directory (by step, then suffix) is the one a restart loads. Nothing else
+decides it, so a crash anywhere in ``save`` leaves either the old newest checkpoint or the new one, never a
+pointer that disagrees with the directories (a crash between the rename and a pointer update used to make the
+restart load the older checkpoint and train the newer one's groups again). Each checkpoint names its parent, the
+checkpoint the run stood on when it was written; :func:`history` follows those links from the newest one, and
+that chain's ledgers, not every directory that happens to be on disk, are what the run trained.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,10 +44,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from broker.lifecycle import crash_point
 from broker.outcomes import Outcome
 from learner.lora import merged_state_dict
 
 LATEST = "LATEST"
+_COMMITTED_NAME = re.compile(r"step_(\d+)(?:\.(\d+))?")
 
 
 @dataclass
@@ -73,6 +85,7 @@ class CheckpointMeta:
     scheduler: dict[str, Any] = field(default_factory=dict)
     ledger: list[LedgerEntry] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    parent: str | None = None  # the checkpoint the run stood on when this one was written (set by save)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -126,6 +139,46 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def checkpoint_order(path: Path) -> tuple[int, int] | None:
+    """``(step, k)`` of a committed checkpoint directory named ``step_<step>`` or ``step_<step>.<k>``; None for
+    anything else (a ``.tmp`` directory being written or abandoned, LATEST, a stray file)."""
+    match = _COMMITTED_NAME.fullmatch(path.name)
+    if match is None:
+        return None
+    return int(match.group(1)), int(match.group(2) or 0)
+
+
+def committed_checkpoints(root: Path) -> list[Path]:
+    """Every committed checkpoint under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(order, p) for p in root.iterdir() if (order := checkpoint_order(p)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def history(root: Path) -> list[CheckpointMeta]:
+    """The metas of the checkpoints the run stands on, oldest first: the newest committed checkpoint and its
+    ancestors (each meta's ``parent``), as far back as pruning left them. A committed checkpoint that is not on
+    this chain cannot exist (a restart loads the newest one, whose children are then the run's), but a reader
+    never has to rely on that: the run's trained and dropped groups are the union of these ledgers."""
+    root = Path(root)
+    committed = committed_checkpoints(root)
+    chain: list[CheckpointMeta] = []
+    current = committed[-1] if committed else None
+    while current is not None and (current / "meta.json").is_file():
+        meta = CheckpointMeta.from_json((current / "meta.json").read_text())
+        chain.append(meta)
+        current = root / meta.parent if meta.parent else None
+    return chain[::-1]
+
+
+def trained_group_ids(root: Path) -> list[str]:
+    """The group ids the run's checkpoints record as trained, one per training (a group trained twice would
+    appear twice), read from :func:`history`."""
+    return [e.group_id for meta in history(root) for e in meta.ledger if e.outcome == "trained"]
+
+
 class CheckpointManager:
     """Save and restore the learner's full state; every rank calls save() and load() together."""
 
@@ -134,7 +187,13 @@ class CheckpointManager:
         self.keep_last = keep_last
 
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, meta: CheckpointMeta) -> Path:
-        """Write a complete checkpoint, durable when this returns on every rank."""
+        """Write a complete checkpoint, committed (and durable) when this returns on every rank.
+
+        Every file is fsynced before the rename, so the renamed directory is whole after a power loss too; the
+        ``checkpoint.before_commit`` and ``checkpoint.committed`` crash points (broker.lifecycle) sit on either
+        side of the rename for the tests that kill the learner there."""
+        parent = self.latest()
+        meta.parent = parent.name if parent is not None else None
         name = self._fresh_name(meta.step)
         final, tmp = self.root / name, self.root / f"{name}.tmp"
         if _rank() == 0:
@@ -146,14 +205,15 @@ class CheckpointManager:
         torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
         _barrier()
         if _rank() == 0:
-            _write_durable(tmp / "meta.json", meta.to_json())
             for child in tmp.rglob("*"):
                 if child.is_file():
                     with open(child, "rb+") as fh:
                         os.fsync(fh.fileno())
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
+            _write_durable(tmp / "meta.json", meta.to_json())
+            crash_point("checkpoint.before_commit")
+            tmp.rename(final)  # the commit point
             _fsync_dir(self.root)
+            crash_point("checkpoint.committed")
             _write_durable(self.root / LATEST, name)
             self._prune()
         _barrier()
@@ -170,21 +230,15 @@ class CheckpointManager:
         return name
 
     def _prune(self) -> None:
-        done = sorted(p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for old in done[: -self.keep_last]:
+        for old in committed_checkpoints(self.root)[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         for stale_tmp in self.root.glob("step_*.tmp"):
             shutil.rmtree(stale_tmp, ignore_errors=True)
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None."""
-        pointer = self.root / LATEST
-        if pointer.is_file():
-            path = self.root / pointer.read_text().strip()
-            if (path / "meta.json").is_file():
-                return path
-        complete = sorted(p for p in self.root.glob("step_*") if (p / "meta.json").is_file())
-        return complete[-1] if complete else None
+        """The newest committed checkpoint, or None."""
+        committed = committed_checkpoints(self.root)
+        return committed[-1] if committed else None
 
     def read_meta(self, path: Path) -> CheckpointMeta:
         return CheckpointMeta.from_json((path / "meta.json").read_text())

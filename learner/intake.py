@@ -12,13 +12,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from broker.configlib import ConfigError
 from broker.consumer import Consumer, Delivery
+from broker.lifecycle import crash_point
 from broker.record import TrajectoryGroup
 from broker.staleness import CounterError, Lineage, StalenessManager, check_staleness
 from learner.advantages import compute_advantages, zero_signal_groups
@@ -104,8 +105,12 @@ class Intake:
         eta: int,
         should_stop: Callable[[], bool],
         max_seq_len: int | None = None,
+        admission_key: str | None = None,
     ) -> None:
         self.consumer = consumer
+        # The admission counters' Redis hash (RedisCounters.key): a drop then gives its group's capacity back in
+        # the drop record's own script, once per group. None (in-memory counters): through ``admission``.
+        self.admission_key = admission_key
         self.max_seq_len = max_seq_len  # sequence_limit(): longer samples drop their group as too_long
         self.admission = admission
         self.config = config
@@ -178,6 +183,11 @@ class Intake:
         if len(batch.deliveries) >= self.config.groups_per_step:
             self._carry.append(delivery)
             return
+        if delivery.delivery_count > 1 and (recorded := await self.consumer.recorded_drop(group.group_id)):
+            # Dropped before a crash that lost the ledger line, not the drop record: the decision stands (a
+            # fresh one could train a group the dropped stream and the admission counters call dropped).
+            await self._drop(delivery, recorded, "", batch)
+            return
         reason = drop_reason(
             group,
             batch.learner_version,
@@ -191,10 +201,19 @@ class Intake:
             self._record(delivery, "trained")
             return
         detail = self._refuse_too_long(group) if reason == TOO_LONG else ""
-        await self.consumer.drop(delivery, reason, detail)
-        try:
-            await self.admission.on_drop(1)
-        except CounterError:
+        await self._drop(delivery, reason, detail, batch)
+
+    async def _drop(self, delivery: Delivery, reason: str, detail: str, batch: StepBatch) -> None:
+        record = await self.consumer.drop(delivery, reason, detail, admission=self.admission_key)
+        crash_point("intake.after_drop")
+        if record.first and self.admission_key is None:
+            try:
+                await self.admission.on_drop(1)
+            except CounterError:
+                record = replace(record, gave_back=False)
+            else:
+                record = replace(record, gave_back=True)
+        if record.first and not record.gave_back:
             # Produced outside admission control (a test producer, an import): no capacity to give back.
             self.totals["drop_without_admission"] = self.totals.get("drop_without_admission", 0) + 1
         batch.dropped[reason] = batch.dropped.get(reason, 0) + 1

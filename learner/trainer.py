@@ -26,6 +26,7 @@ from torch import nn
 from broker.client import LEARNER_CLIENT_NAME, connect
 from broker.config import BrokerConfig, SharedConfig
 from broker.consumer import Consumer
+from broker.lifecycle import crash_point
 from broker.metrics import MetricsWriter
 from broker.record import TrajectoryGroup
 from broker.staleness import Lineage, RedisCounters, StalenessManager, staleness_stats
@@ -288,9 +289,8 @@ class Learner:
             await self.consumer.ensure_group()
             self.policy_version = PolicyVersion(client, self.shared, self.broker_config)
             self.metrics = MetricsWriter(client, self.shared, "learner")
-            admission = StalenessManager(
-                self.shared.eta, self.config.groups_per_step, 1 << 30, RedisCounters(client, self.shared)
-            )
+            counters = RedisCounters(client, self.shared)
+            admission = StalenessManager(self.shared.eta, self.config.groups_per_step, 1 << 30, counters)
             self.intake = Intake(
                 self.consumer,
                 admission,
@@ -298,6 +298,7 @@ class Learner:
                 self.shared.eta,
                 self.stop_requested.is_set,
                 max_seq_len=self.max_seq_len,
+                admission_key=counters.key,
             )
 
         self._call(make())
@@ -572,6 +573,7 @@ class Learner:
             export_hf(
                 self.model, Path(self.shared.model_path), Path(self.shared.run_dir) / "export" / "latest"
             )
+        crash_point("checkpoint.before_ack")
         if self.info.is_main:
             done = self._call(self.intake.acknowledge(ledger))
             self.intake.ledger = self.intake.ledger[len(ledger) :]

@@ -14,10 +14,11 @@ import redis.asyncio as aioredis
 from broker.client import BrokerKeys, connect
 from broker.codec import SAMPLE_KEYS, encode
 from broker.config import BrokerConfig, SharedConfig
-from broker.consumer import Consumer, dead_letters, dropped
+from broker.consumer import Consumer, DropRecord, dead_letters, dropped
 from broker.metrics import BrokerMetrics, MetricsReader, MetricsWriter
 from broker.producer import Producer
 from broker.record import synthetic_group
+from broker.staleness import RedisCounters
 
 SHARED = SharedConfig(run_id="t")
 
@@ -296,8 +297,17 @@ async def test_drop_is_durable_and_once_per_group(client, cfg) -> None:
     consumer = Consumer(client, SHARED, cfg, "c0")
     await producer.send(group(3, version=1))
     (d,) = await consumer.read()
-    first = await consumer.drop(d, "stale", detail="staleness 5 > eta 2")
-    assert await consumer.drop(d, "stale") == first
+    counters = RedisCounters(client, SHARED)
+    await counters.start(1)
+    await counters.accept(1)  # admitted through the fleet's admission control
+    first = await consumer.drop(d, "stale", detail="staleness 5 > eta 2", admission=counters.key)
+    assert first.first and first.gave_back
+    again = await consumer.drop(d, "zero_signal", admission=counters.key)  # a learner after a restart
+    assert again == DropRecord(first.record_id, first=False, gave_back=False)
+    snapshot = await counters.snapshot()
+    assert (snapshot.accepted, snapshot.dropped) == (0, 1)  # the capacity came back once
+    assert await consumer.recorded_drop(d.group.group_id) == "stale"
+    assert await consumer.recorded_drop("never-dropped") is None
     rows = await dropped(client, SHARED, cfg)
     assert len(rows) == 1
     assert rows[0]["gid"] == d.group.group_id and rows[0]["reason"] == "stale"

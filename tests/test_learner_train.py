@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -16,19 +15,30 @@ import redis
 
 from broker.client import BrokerKeys, connect
 from broker.config import BrokerConfig, SharedConfig
+from broker.lifecycle import CRASH_AT_ENV, CRASH_GROUP_ENV
 from broker.metrics import metrics_key
 from broker.producer import Producer
+from broker.staleness import RedisCounters
+from learner.checkpoint import CheckpointMeta, committed_checkpoints, trained_group_ids
 from rollout_fleet.model import init_tiny_model
 from tests.synth import sample_groups
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def produce(url: str, groups: list) -> None:
+def produce(url: str, groups: list, admitted: bool = False) -> None:
+    """Send ``groups`` into the stream; ``admitted``: each counted through admission control first, as the
+    fleet's workers count theirs (started, then accepted)."""
+
     async def go() -> None:
         client = connect(url)
-        producer = Producer(client, SharedConfig(run_id="test"), BrokerConfig(), "synth")
+        shared = SharedConfig(run_id="test")
+        producer = Producer(client, shared, BrokerConfig(), "synth")
+        counters = RedisCounters(client, shared)
         for g in groups:
+            if admitted:
+                await counters.start(1)
+                await counters.accept(1)
             await producer.send(g)
         await client.aclose()
 
@@ -36,7 +46,12 @@ def produce(url: str, groups: list) -> None:
 
 
 def start_learner(
-    tmp_path: Path, url: str, model_dir: Path, *extra: str, new_session: bool = False
+    tmp_path: Path,
+    url: str,
+    model_dir: Path,
+    *extra: str,
+    new_session: bool = False,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     args = [
         sys.executable, "-m", "streamrl", "learner", f"--shared.run_dir={tmp_path / 'run'}", f"--shared.redis_url={url}",
@@ -45,7 +60,12 @@ def start_learner(
         "--learner.lr=1e-3", "--learner.micro_batch_tokens=64", "--weight_sync.engines=none", *extra,
     ]  # fmt: skip
     return subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=new_session
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=new_session,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -88,9 +108,7 @@ def test_learner_trains_filters_stale_and_acknowledges(tmp_path: Path, redis_url
     assert client.xpending(keys.stream, "learner")["pending"] == 0
     assert int(client.get(keys.backlog) or 0) == 0
 
-    ckpts = tmp_path / "run" / "checkpoints"
-    ledgers = [json.loads((p / "meta.json").read_text())["ledger"] for p in sorted(ckpts.glob("step_*"))]
-    trained = [e["group_id"] for ledger in ledgers for e in ledger if e["outcome"] == "trained"]
+    trained = trained_group_ids(tmp_path / "run" / "checkpoints")
     assert sorted(trained) == sorted(g.group_id for g in fresh + late)  # each exactly once
 
     points = client.xrange(metrics_key(SharedConfig(run_id="test"), "learner"))
@@ -107,11 +125,8 @@ def test_learner_trains_filters_stale_and_acknowledges(tmp_path: Path, redis_url
 
 
 def _trained_ids(run_dir: Path) -> list[str]:
-    ledgers = [
-        json.loads((p / "meta.json").read_text())["ledger"]
-        for p in sorted((run_dir / "checkpoints").glob("step_*"))
-    ]
-    return [e["group_id"] for ledger in ledgers for e in ledger if e["outcome"] == "trained"]
+    """What the checkpoints the run stands on record as trained (learner.checkpoint.history)."""
+    return trained_group_ids(run_dir / "checkpoints")
 
 
 def test_sigterm_then_kill9_resume_trains_each_group_once(tmp_path: Path, redis_url: str) -> None:
@@ -146,4 +161,77 @@ def test_sigterm_then_kill9_resume_trains_each_group_once(tmp_path: Path, redis_
     assert proc.returncode == 0, out
     assert sorted(_trained_ids(tmp_path / "run")) == sorted(g.group_id for g in groups)
     assert int(client.get(keys.version)) > killed_at
+    assert client.xpending(keys.stream, "learner")["pending"] == 0
+
+
+@pytest.mark.parametrize(
+    "point", ["checkpoint.before_commit", "checkpoint.committed", "checkpoint.before_ack"]
+)
+def test_kill9_at_each_point_of_a_checkpoint_trains_each_group_once(
+    tmp_path: Path, redis_url: str, point: str
+) -> None:
+    """Every learner process killed at one point of the second checkpoint (before its rename, right after it,
+    after it but before the acknowledgement), then a restart: the checkpoints on disk and the chain the run
+    stands on each hold every group exactly once. A kill right after the rename used to resume from the older
+    checkpoint that LATEST still named and train the newer one's groups a second time."""
+    model_dir = init_tiny_model(tmp_path / "model")
+    groups = sample_groups(str(model_dir), 16, 2, version=0, max_new_tokens=6)
+    produce(redis_url, groups)
+    keys = BrokerKeys.of(SharedConfig(run_id="test"), BrokerConfig())
+    client = redis.Redis.from_url(redis_url)
+    common = ("--shared.eta=100", "--learner.checkpoint_every=2", "--learner.keep_checkpoints=20",
+              "--broker.max_backlog=512", "--learner.max_steps=4")  # fmt: skip
+
+    crash = {CRASH_AT_ENV: f"{point}@2", CRASH_GROUP_ENV: "1"}
+    proc = start_learner(tmp_path, redis_url, model_dir, *common, new_session=True, env=crash)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == -signal.SIGKILL, out
+    assert f"crash point {point} (pass 2)" in out, out
+
+    proc = start_learner(tmp_path, redis_url, model_dir, *common)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    every_group = sorted(g.group_id for g in groups)
+    assert sorted(_trained_ids(tmp_path / "run")) == every_group
+    on_disk = [
+        e.group_id
+        for path in committed_checkpoints(tmp_path / "run" / "checkpoints")
+        for e in CheckpointMeta.from_json((path / "meta.json").read_text()).ledger
+        if e.outcome == "trained"
+    ]
+    assert sorted(on_disk) == every_group  # no abandoned checkpoint left to mislead a reader
+    assert client.xpending(keys.stream, "learner")["pending"] == 0
+
+
+def test_kill9_right_after_a_drop_gives_its_capacity_back_once(tmp_path: Path, redis_url: str) -> None:
+    """The learner killed right after its first drop is recorded, then restarted: each dropped group gave its
+    admission capacity back exactly once (the record and the give-back are one script; a restart that meets the
+    group again keeps the recorded decision), so the fleet is not over-admitted after the crash."""
+    model_dir = init_tiny_model(tmp_path / "model")
+    fresh = sample_groups(str(model_dir), 8, 2, version=0, max_new_tokens=6)
+    failed = sample_groups(str(model_dir), 4, 2, version=0, max_new_tokens=6, start_index=100)
+    for group in failed:  # the reward function failed on these: the learner drops them as reward_error
+        for sample in group.samples:
+            sample.reward_status, sample.reward_error = "error", "verifier crashed"
+    arrivals = failed[:2] + fresh[:4] + failed[2:] + fresh[4:]  # every drop read before the last step fills
+    shared = SharedConfig(run_id="test")
+    produce(redis_url, arrivals, admitted=True)
+    common = ("--learner.max_steps=2", "--broker.max_backlog=512")
+
+    crash = {CRASH_AT_ENV: "intake.after_drop@1", CRASH_GROUP_ENV: "1"}
+    proc = start_learner(tmp_path, redis_url, model_dir, *common, new_session=True, env=crash)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == -signal.SIGKILL and "crash point intake.after_drop (pass 1)" in out, out
+
+    proc = start_learner(tmp_path, redis_url, model_dir, *common)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    client = redis.Redis.from_url(redis_url)
+    counters = {k.decode(): int(v) for k, v in client.hgetall(shared.key("admission")).items()}
+    assert (counters["accepted"], counters["dropped"]) == (len(fresh), len(failed)), counters
+    keys = BrokerKeys.of(shared, BrokerConfig())
+    assert sorted(f[b"gid"].decode() for _, f in client.xrange(keys.dropped)) == sorted(
+        g.group_id for g in failed
+    )
+    assert sorted(_trained_ids(tmp_path / "run")) == sorted(g.group_id for g in fresh)
     assert client.xpending(keys.stream, "learner")["pending"] == 0

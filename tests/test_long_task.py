@@ -26,6 +26,7 @@ from broker.client import connect
 from broker.config import BrokerConfig, SharedConfig
 from broker.consumer import Consumer
 from broker.discovery import resolve_redis_url, url_file
+from learner.checkpoint import trained_group_ids
 from rollout_fleet.client import EngineClient, RequestRejected
 from rollout_fleet.evaluation import load_model
 from rollout_fleet.long_warmstart import (
@@ -426,12 +427,7 @@ def run_long_up(run_dir: Path, args: list[str], timeout: float) -> tuple[dict, l
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["samples_trained"] == 2 * 2 * 4
     assert summary["audit"]["ok"] and summary["audit"]["lost"] == 0
-    trained = [
-        e["group_id"]
-        for meta in sorted((run_dir / "checkpoints").glob("step_*/meta.json"))
-        for e in json.loads(meta.read_text())["ledger"]
-        if e["outcome"] == "trained"
-    ]
+    trained = trained_group_ids(run_dir / "checkpoints")
     assert len(trained) == len(set(trained)) == 4 and set(trained) <= set(watcher.lengths)
     outputs = [out for gid in trained for _, out in watcher.lengths[gid]]
     print(f"long run: {time.monotonic() - started:.0f} s wall; trained output tokens {sorted(outputs)}")

@@ -22,6 +22,7 @@ import pytest
 from benchmarks.crash_cost import learner_step
 from benchmarks.learning_gain import RUN_ARGS, STEPS
 from broker.server import ephemeral_port_range
+from learner import checkpoint
 from streamrl.config import METRICS_PORT_OFFSETS
 from tests.prom import scrape
 
@@ -136,10 +137,8 @@ def assert_archive_complete(run_dir: Path, audit: dict, group_size: int = 8) -> 
 
 
 def trained_group_ids(run_dir: Path) -> list[str]:
-    ids = []
-    for meta in sorted((run_dir / "checkpoints").glob("step_*/meta.json")):
-        ids += [e["group_id"] for e in json.loads(meta.read_text())["ledger"] if e["outcome"] == "trained"]
-    return ids
+    """What the checkpoints the run stands on record as trained (learner.checkpoint.history)."""
+    return checkpoint.trained_group_ids(run_dir / "checkpoints")
 
 
 def test_roles_that_need_nothing_of_each_other_start_together(tmp_path: Path) -> None:
