@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from rollout_fleet.model import TinyModelSpec, build_model, build_tokenizer
 from rollout_fleet.tasks.arithmetic import ArithmeticTask
 from rollout_fleet.warmstart import (
     MARKER,
+    PINNED_NUMERICS,
     fingerprint,
     init_warm_model,
     main,
@@ -115,6 +117,27 @@ def test_warm_start_is_cached_and_fingerprinted(small_warm: tuple[Path, list[str
     ]
     keys = {fingerprint(spec, r) for r in others} | {fingerprint(TinyModelSpec(seed=1), base)}
     assert fingerprint(spec, base) not in keys and len(keys) == 5
+
+
+def test_two_builds_are_bit_identical_whatever_the_caller_set(
+    small_warm: tuple[Path, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build runs in a child under PINNED_NUMERICS: a caller with other threads and ATen's default (AVX-512
+    where the CPU has it) kernels builds the same bits. Without the pins these two builds differ here."""
+    path, lines = small_warm
+    assert any(
+        line.startswith("warm-start step") for line in lines
+    )  # the child's progress reaches the caller
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    monkeypatch.setenv("MKL_CBWR", "AUTO")
+    again = init_warm_model(tmp_path / "warm", steps=SMALL_STEPS, progress=None)
+    digest = [hashlib.sha256((p / "model.safetensors").read_bytes()).hexdigest() for p in (path, again)]
+    assert digest[0] == digest[1]
+    records = [json.loads((p / MARKER).read_text()) for p in (path, again)]
+    assert records[0]["losses"] == records[1]["losses"]
+    assert records[1]["numerics"] == PINNED_NUMERICS and records[1]["torch_threads"] == 1
+    assert records[1]["cpu_capability"] in ("AVX2", "DEFAULT")  # DEFAULT: a CPU without AVX2 (not x86-64)
 
 
 def test_command_line(small_warm: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]) -> None:
