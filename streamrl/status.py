@@ -157,7 +157,8 @@ class StatusReader:
 
     def best_evaluation(self) -> dict[str, float | None]:
         """The run's best held-out greedy accuracy among its evaluations of trained policies (version > 0: the
-        live evaluator's and the final one), and the version it was of. A run that learned and then fell shows it
+        live evaluator's and the final one), the version it was of, and how many such evaluations there were
+        (the live ones run on a clock: a loaded machine makes fewer). A run that learned and then fell shows it
         here beside ``eval_reward_after``."""
         try:
             rows = self.client.xrange(metrics_key(self.config.shared, "eval")) if self.client else []
@@ -166,9 +167,13 @@ class StatusReader:
         points = [p for p in (_numbers(f) for _, f in rows) if p.get("policy_version", 0) > 0]
         points = [p for p in points if "greedy_accuracy" in p]
         if not points:
-            return {"eval_best_greedy": None, "eval_best_version": None}
+            return {"eval_best_greedy": None, "eval_best_version": None, "eval_trained_count": 0}
         best = max(points, key=lambda p: p["greedy_accuracy"])
-        return {"eval_best_greedy": best["greedy_accuracy"], "eval_best_version": best["policy_version"]}
+        return {
+            "eval_best_greedy": best["greedy_accuracy"],
+            "eval_best_version": best["policy_version"],
+            "eval_trained_count": len(points),
+        }
 
     def learner_aggregates(self) -> dict[str, float]:
         """Sums over every learner step of the run: time waiting for data (generation, when synchronous), time
