@@ -129,12 +129,19 @@ def _trained_ids(run_dir: Path) -> list[str]:
     return trained_group_ids(run_dir / "checkpoints")
 
 
-def test_sigterm_then_kill9_resume_trains_each_group_once(tmp_path: Path, redis_url: str) -> None:
+def sixteen_groups_in_the_stream(
+    tmp_path: Path, redis_url: str
+) -> tuple[Path, list, BrokerKeys, redis.Redis]:
+    """A tiny model and 16 groups of 2 short samples in the stream (4 steps of 4 groups)."""
     model_dir = init_tiny_model(tmp_path / "model")
     groups = sample_groups(str(model_dir), 16, 2, version=0, max_new_tokens=6)
     produce(redis_url, groups)
     keys = BrokerKeys.of(SharedConfig(run_id="test"), BrokerConfig())
-    client = redis.Redis.from_url(redis_url)
+    return model_dir, groups, keys, redis.Redis.from_url(redis_url)
+
+
+def test_sigterm_then_kill9_resume_trains_each_group_once(tmp_path: Path, redis_url: str) -> None:
+    model_dir, groups, keys, client = sixteen_groups_in_the_stream(tmp_path, redis_url)
     common = ("--shared.eta=100", "--learner.checkpoint_every=2", "--learner.keep_checkpoints=20",
               "--broker.max_backlog=512")  # fmt: skip  # the back-pressure bound for eta 100
 
@@ -174,11 +181,7 @@ def test_kill9_at_each_point_of_a_checkpoint_trains_each_group_once(
     after it but before the acknowledgement), then a restart: the checkpoints on disk and the chain the run
     stands on each hold every group exactly once. A kill right after the rename used to resume from the older
     checkpoint that LATEST still named and train the newer one's groups a second time."""
-    model_dir = init_tiny_model(tmp_path / "model")
-    groups = sample_groups(str(model_dir), 16, 2, version=0, max_new_tokens=6)
-    produce(redis_url, groups)
-    keys = BrokerKeys.of(SharedConfig(run_id="test"), BrokerConfig())
-    client = redis.Redis.from_url(redis_url)
+    model_dir, groups, keys, client = sixteen_groups_in_the_stream(tmp_path, redis_url)
     common = ("--shared.eta=100", "--learner.checkpoint_every=2", "--learner.keep_checkpoints=20",
               "--broker.max_backlog=512", "--learner.max_steps=4")  # fmt: skip
 
