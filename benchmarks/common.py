@@ -9,12 +9,17 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+Z_ONE_IN_A_THOUSAND = 3.09  # one-sided normal quantile of 0.999
+# one-sided 0.999 quantiles of Student's t by degrees of freedom (n - 1), for the prediction bound
+T_ONE_IN_A_THOUSAND = {4: 7.173, 5: 5.893, 6: 5.208, 7: 4.785, 8: 4.501, 9: 4.297, 10: 4.144, 11: 4.025,
+                       12: 3.930, 13: 3.852, 14: 3.787, 15: 3.733, 19: 3.579, 29: 3.396}  # fmt: skip
 OPS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, "<": lambda a, b: a < b}
 
 
@@ -58,6 +63,32 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
     }
+
+
+def one_in_a_thousand(name: str, values: Sequence[float], side: str = "lower") -> dict[str, float]:
+    """Mean, sd, range, and the bound one more run of a correct system crosses with probability at most 1/1000:
+    below it (``side="lower"``, a gain) or above it (``"upper"``, a cost). Two bounds: a normal fit (mean -/+ 3.09
+    sd), and a Student t prediction interval for one more run (mean -/+ t sd sqrt(1 + 1/n); wider, because the sd
+    is estimated from few runs), the latter for the run counts in :data:`T_ONE_IN_A_THOUSAND`."""
+    if side not in ("lower", "upper"):
+        raise ValueError(f"side = {side!r}: expected lower or upper")
+    sign = -1 if side == "lower" else 1
+    mean = statistics.fmean(values)
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    summary = {
+        f"{name}_mean": mean,
+        f"{name}_sd": sd,
+        f"{name}_min": min(values),
+        f"{name}_max": max(values),
+        f"{name}_threshold_one_in_a_thousand": mean + sign * Z_ONE_IN_A_THOUSAND * sd,
+    }
+    dof = len(values) - 1
+    if dof in T_ONE_IN_A_THOUSAND:
+        t = T_ONE_IN_A_THOUSAND[dof]
+        summary[f"{name}_t_prediction_one_in_a_thousand"] = (
+            mean + sign * t * sd * (1 + 1 / len(values)) ** 0.5
+        )
+    return summary
 
 
 def evaluate_targets(

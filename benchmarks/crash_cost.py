@@ -2,6 +2,7 @@
 
     python -m benchmarks.crash_cost --quick --out FILE     # the engine, learner rank 1, the Redis server
     python -m benchmarks.crash_cost --out FILE             # every process, and the supervisor itself
+    python -m benchmarks.crash_cost --pairs 10 --load --out FILE   # 10 (no kill, learner-rank-1) pairs
 
 Each run trains the warm-started tiny model for :data:`STEPS` steps (eta 1, a checkpoint every 5 steps); the
 target is SIGKILLed at learner step :data:`KILL_AT` (two steps after a checkpoint). The supervisor restarts what
@@ -17,6 +18,11 @@ run's records (``streamrl audit``, summary.json and the learner's metrics stream
   ``entries_read_again``: stream entries a restarted learner read a second time (those it had taken before the
   crash and not yet acknowledged).
 
+``--pairs N`` runs N pairs of (no kill, ``--target``) runs, optionally beside benchmarks.load's SuiteLoad (the
+machine CI meets), and sizes the bound ``tests/test_chaos.py`` puts on the extra stale share (kill minus no kill
+within a pair) from their distribution: the value one more pair of a correct system exceeds with probability at
+most 1/1000 (benchmarks.common.one_in_a_thousand).
+
 ``tests/test_chaos.py`` runs the same targets with the same helpers and asserts on the same records.
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -37,7 +44,8 @@ from typing import Any
 
 import redis
 
-from benchmarks.common import write_result
+from benchmarks.common import one_in_a_thousand, write_result
+from benchmarks.load import SuiteLoad
 from broker.config import SharedConfig
 from broker.lifecycle import ProcessRecord, read_records
 from broker.metrics import metrics_key
@@ -142,16 +150,26 @@ def audit(run_dir: Path) -> dict[str, Any]:
     return json.loads(done.stdout)
 
 
-def run_records(run_dir: Path) -> tuple[list[tuple[float, int]], dict[str, float]]:
-    """(unix time, step) of every learner metrics point of a finished run, and the broker's counters (its Redis
-    is started for the read)."""
+SERIES_FIELDS = (
+    "step",
+    "policy_version",
+    "total/dropped:stale",
+    "staleness/mean",
+    "wait_seconds",
+    "publish_seconds",
+)
+
+
+def run_records(run_dir: Path) -> tuple[list[tuple[float, int]], dict[str, float], list[list[float | None]]]:
+    """(unix time, step) of every learner metrics point of a finished run, the broker's counters (its Redis
+    is started for the read), and per point [unix time, *SERIES_FIELDS] (None where a point lacks one)."""
     from broker.client import BrokerKeys
     from broker.metrics import parse_number
     from streamrl.audit import load_run_config, runs_redis
 
     config = load_run_config(run_dir)
 
-    async def read(url: str) -> tuple[list[tuple[float, int]], dict[str, float]]:
+    async def read(url: str) -> tuple[list[tuple[float, int]], dict[str, float], list[list[float | None]]]:
         client = redis.asyncio.Redis.from_url(url)
         try:
             rows = await client.xrange(metrics_key(config.shared, "learner"))
@@ -160,7 +178,11 @@ def run_records(run_dir: Path) -> tuple[list[tuple[float, int]], dict[str, float
             await client.aclose()
         points = [(int(i.split(b"-")[0]) / 1000, int(float(f[b"step"]))) for i, f in rows]
         numbers = {k.decode(): parse_number(v) for k, v in counters.items()}
-        return points, {k: float(v) for k, v in numbers.items() if not isinstance(v, str)}
+        series = [
+            [t, *(float(f[k.encode()]) if k.encode() in f else None for k in SERIES_FIELDS)]
+            for (t, _), (_, f) in zip(points, rows, strict=True)
+        ]
+        return points, {k: float(v) for k, v in numbers.items() if not isinstance(v, str)}, series
 
     with runs_redis(config) as url:
         return asyncio.run(read(url))
@@ -194,7 +216,7 @@ def run_target(model: Path, run_dir: Path, target: str | None) -> dict[str, Any]
         raise RuntimeError(f"{target}: streamrl up failed:\n{out[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     report = audit(run_dir)
-    points, counters = run_records(run_dir)
+    points, counters, series = run_records(run_dir)
     steps = [s for _, s in points]
     after = [t for t, _ in points if killed_at is None or t >= killed_at - 1]
     gaps = [b - a for a, b in zip(after, after[1:], strict=False)]
@@ -218,7 +240,81 @@ def run_target(model: Path, run_dir: Path, target: str | None) -> dict[str, Any]
         "restarts": sum(
             1 for line in out.splitlines() if line.startswith("streamrl up:") and "restarting it" in line
         ),
+        "killed_at": killed_at,
+        "series_fields": ["unix_time", *SERIES_FIELDS],
+        "series": series,  # every learner metrics point: where a kill's stale drops fall (before, after)
     }
+
+
+def stale_per_step(run: dict[str, Any]) -> tuple[float, float]:
+    """Groups dropped as stale per learner step before and after the kill (a run with no kill: before and after
+    the first point at step KILL_AT), from the run's series."""
+    rows = [dict(zip(run["series_fields"], row, strict=True)) for row in run["series"]]
+    split = run["killed_at"] or next(r["unix_time"] for r in rows if r["step"] >= KILL_AT)
+    before = [r for r in rows if r["unix_time"] < split]
+    after = [r for r in rows if r["unix_time"] >= split]
+    stale = "total/dropped:stale"
+    rate_before = (before[-1][stale] or 0.0) / before[-1]["step"] if before else 0.0
+    steps_after = after[-1]["step"] - after[0]["step"] if after else 0
+    rate_after = ((after[-1][stale] or 0.0) - (after[0][stale] or 0.0)) / steps_after if steps_after else 0.0
+    return rate_before, rate_after
+
+
+def run_pairs(model: Path, work_dir: Path, target: str, pairs: int, out: Path) -> list[dict[str, Any]]:
+    """``pairs`` pairs of (no kill, ``target``) runs; each pair's figures and its extra stale share. The pairs so
+    far are kept beside ``out`` (a long measurement that stops early keeps what it measured)."""
+    results: list[dict[str, Any]] = []
+    for i in range(pairs):
+        base = run_target(model, work_dir / f"pair-{i}-none", None)
+        killed = run_target(model, work_dir / f"pair-{i}-{target}", target)
+        results.append(
+            {
+                "none": base,
+                target: killed,
+                "extra_stale_fraction": killed["stale_fraction"] - base["stale_fraction"],
+            }
+        )
+        print(
+            f"pair {i + 1}/{pairs}: stale share {base['stale_fraction']:.3f} without a kill, "
+            f"{killed['stale_fraction']:.3f} with {target} killed (extra {results[-1]['extra_stale_fraction']:+.3f}); "
+            f"lost {killed['lost']}, trained twice {killed['trained_twice']}",
+            flush=True,
+        )
+        partial = out.with_name(out.stem + ".partial.json")
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(results, indent=1))
+    return results
+
+
+def pairs_main(args: argparse.Namespace, model: Path) -> int:
+    with tempfile.TemporaryDirectory(prefix="crash-cost-pairs-") as tmp:
+        load = SuiteLoad(Path(tmp) / "load") if args.load else contextlib.nullcontext()
+        with load:
+            pairs = run_pairs(model, Path(tmp), args.target, args.pairs, args.out)
+    runs = [p[args.target] for p in pairs]
+    headline = {
+        **one_in_a_thousand("extra_stale_fraction", [p["extra_stale_fraction"] for p in pairs], side="upper"),
+        **one_in_a_thousand(
+            "stale_fraction_none", [p["none"]["stale_fraction"] for p in pairs], side="upper"
+        ),
+        "lost": sum(r["lost"] for r in runs),
+        "trained_twice": sum(r["trained_twice"] for r in runs),
+        # (before, after) the kill, or step KILL_AT without one: does a restarted learner's run stay staler?
+        "stale_per_step_none_mean": [
+            statistics.fmean(p["stale_per_step_none"][i] for p in pairs) for i in (0, 1)
+        ],
+        "stale_per_step_killed_mean": [
+            statistics.fmean(p["stale_per_step_killed"][i] for p in pairs) for i in (0, 1)
+        ],
+    }
+    doc = write_result(
+        args.out, "crash_cost", "pairs",
+        {"steps": STEPS, "kill_at": KILL_AT, "target": args.target, "pairs": args.pairs,
+         "load": load.stats() if isinstance(load, SuiteLoad) else None},
+        {"pairs": pairs}, {"lost": ("<=", 0), "trained_twice": ("<=", 0)}, headline, model=model,
+    )  # fmt: skip
+    print(json.dumps({k: doc[k] for k in (*headline, "passed")}, indent=2))
+    return 0 if doc["passed"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,11 +322,34 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m benchmarks.crash_cost", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(DEFAULT_TARGETS)}")
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        help="Run this many (no kill, --target) pairs instead of one run a target.",
+    )
+    parser.add_argument(
+        "--target",
+        default="learner-rank-1",
+        choices=ALL_TARGETS,
+        help="What --pairs kills (default learner-rank-1).",
+    )
+    parser.add_argument(
+        "--load",
+        action="store_true",
+        help="With --pairs: beside a slice of the test suite in a loop (benchmarks.load).",
+    )
     parser.add_argument("--out", type=Path, required=True, help="Result JSON.")
     args = parser.parse_args(argv)
+    if args.pairs < 0:
+        parser.error(f"--pairs = {args.pairs}: must be >= 0")
+    if args.load and not args.pairs:
+        parser.error("--load goes with --pairs")
     from rollout_fleet.warmstart import init_warm_model
 
     model = init_warm_model()
+    if args.pairs:
+        return pairs_main(args, model)
     targets = DEFAULT_TARGETS if args.quick else ALL_TARGETS
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="crash-cost-") as tmp:

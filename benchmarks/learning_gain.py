@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import write_result
+from benchmarks.common import one_in_a_thousand, write_result
 from benchmarks.load import SuiteLoad
 from rollout_fleet.tasks import Prompt, RewardResult
 
@@ -40,10 +39,6 @@ RUN_ARGS = [
     "--learner.wandb_mode=disabled", "--learner.checkpoint_every=5", "--up.status_interval_s=5",
     f"--learner.max_steps={STEPS}", "--learner.keep_checkpoints=100", f"--learner.snapshot_every={STEPS // 2}",
 ]  # fmt: skip
-Z_ONE_IN_A_THOUSAND = 3.09  # one-sided normal quantile of 0.999
-# one-sided 0.999 quantiles of Student's t by degrees of freedom (n - 1), for the prediction bound
-T_ONE_IN_A_THOUSAND = {4: 7.173, 5: 5.893, 6: 5.208, 7: 4.785, 8: 4.501, 9: 4.297, 10: 4.144, 11: 4.025,
-                       12: 3.930, 13: 3.852, 14: 3.787, 15: 3.733, 19: 3.579, 29: 3.396}  # fmt: skip
 BROKEN = {
     "lr0": ["--learner.lr=1e-12"],
     "inverted": ["--rollout.reward.function=benchmarks.learning_gain:inverted_reward"],
@@ -59,24 +54,6 @@ def inverted_reward(prompt: Prompt, completion: str) -> RewardResult:
 
 
 LATE_FALL = 0.1  # a final evaluation this far below the run's best counts as a late fall
-
-
-def summarise(name: str, values: list[float]) -> dict[str, float]:
-    """Mean, sd, range, and the value a correct system stays above with probability 0.999 (normal fit)."""
-    mean = statistics.fmean(values)
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    summary = {
-        f"{name}_mean": mean,
-        f"{name}_sd": sd,
-        f"{name}_min": min(values),
-        f"{name}_max": max(values),
-        f"{name}_threshold_one_in_a_thousand": mean - Z_ONE_IN_A_THOUSAND * sd,
-    }
-    dof = len(values) - 1
-    if dof in T_ONE_IN_A_THOUSAND:  # the next run's bound: mean - t * sd * sqrt(1 + 1/n)
-        t = T_ONE_IN_A_THOUSAND[dof]
-        summary[f"{name}_t_prediction_one_in_a_thousand"] = mean - t * sd * (1 + 1 / len(values)) ** 0.5
-    return summary
 
 
 def run_once(run_dir: Path, model: Path, extra: list[str]) -> dict:
@@ -145,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                 write_partial(args.out, runs)
     load_stats = load.stats() if isinstance(load, SuiteLoad) else None
     headline = {
-        **summarise("gain", [r["gain"] for r in runs]),
-        **summarise("best_gain", [r["best_gain"] for r in runs]),
+        **one_in_a_thousand("gain", [r["gain"] for r in runs]),
+        **one_in_a_thousand("best_gain", [r["best_gain"] for r in runs]),
         "late_falls": sum(1 for r in runs if r["best"] - r["after"] >= LATE_FALL),
     }
     write_result(

@@ -349,3 +349,21 @@ def test_archive_overhead_runs_differ_only_in_the_archive_and_count_rows(tmp_pat
     assert configs[0].model_dump(exclude={"archive", "shared"}) == configs[1].model_dump(
         exclude={"archive", "shared"}
     )
+
+
+def test_one_in_a_thousand_bounds_by_hand() -> None:
+    """[1, 2, 3, 4, 5]: mean 3, sd sqrt(2.5); normal bound 3 -/+ 3.09 sd; t bound (4 degrees of freedom, 7.173)
+    3 -/+ 7.173 sd sqrt(1 + 1/5)."""
+    from benchmarks.common import one_in_a_thousand
+
+    lower = one_in_a_thousand("gain", [1, 2, 3, 4, 5])
+    assert lower["gain_mean"] == 3 and lower["gain_sd"] == pytest.approx(2.5**0.5)
+    assert (lower["gain_min"], lower["gain_max"]) == (1, 5)
+    assert lower["gain_threshold_one_in_a_thousand"] == pytest.approx(-1.8857190, abs=1e-6)
+    assert lower["gain_t_prediction_one_in_a_thousand"] == pytest.approx(-9.4240004, abs=1e-6)
+    upper = one_in_a_thousand("cost", [1, 2, 3, 4, 5], side="upper")
+    assert upper["cost_threshold_one_in_a_thousand"] == pytest.approx(7.8857190, abs=1e-6)
+    assert upper["cost_t_prediction_one_in_a_thousand"] == pytest.approx(15.4240004, abs=1e-6)
+    assert "x_t_prediction_one_in_a_thousand" not in one_in_a_thousand("x", [1, 2, 3])  # no t quantile for 2
+    with pytest.raises(ValueError, match="side = 'both'"):
+        one_in_a_thousand("x", [1, 2], side="both")
