@@ -153,7 +153,7 @@ def audit(run_dir: Path) -> dict[str, Any]:
 SERIES_FIELDS = (
     "step",
     "policy_version",
-    "total/dropped:stale",
+    "total/stale",
     "staleness/mean",
     "wait_seconds",
     "publish_seconds",
@@ -253,7 +253,7 @@ def stale_per_step(run: dict[str, Any]) -> tuple[float, float]:
     split = run["killed_at"] or next(r["unix_time"] for r in rows if r["step"] >= KILL_AT)
     before = [r for r in rows if r["unix_time"] < split]
     after = [r for r in rows if r["unix_time"] >= split]
-    stale = "total/dropped:stale"
+    stale = "total/stale"
     rate_before = (before[-1][stale] or 0.0) / before[-1]["step"] if before else 0.0
     steps_after = after[-1]["step"] - after[0]["step"] if after else 0
     rate_after = ((after[-1][stale] or 0.0) - (after[0][stale] or 0.0)) / steps_after if steps_after else 0.0
@@ -272,6 +272,8 @@ def run_pairs(model: Path, work_dir: Path, target: str, pairs: int, out: Path) -
                 "none": base,
                 target: killed,
                 "extra_stale_fraction": killed["stale_fraction"] - base["stale_fraction"],
+                "stale_per_step_none": stale_per_step(base),
+                "stale_per_step_killed": stale_per_step(killed),
             }
         )
         print(
