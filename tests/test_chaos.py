@@ -9,10 +9,12 @@ from the run's records (``streamrl audit`` over the durable per-group outcomes, 
 - every generated group is trained, dropped with a reason, dead-lettered or still waiting in the stream: 0 lost;
 - no group is trained twice;
 - the last step is reached and the final evaluation is of the final policy;
-- the share of generated groups dropped as stale stays within ``STALE_MARGIN`` of a run with no kill.
+- the share of generated groups dropped as stale stays within a bound of a run with no kill: for a learner rank,
+  ``EXTRA_STALE_BOUND``, sized from the measured distribution of (kill - no kill) pairs; for every other
+  target, the issue's ``STALE_MARGIN`` (not sized from data).
 
-A learner rank killed under ``up`` is in the default run, without the stale-share comparison; every kill with
-it is ``slow``.
+A learner rank killed under ``up``, with its no-kill baseline, is in the default run; every other kill is
+``slow``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,16 @@ from broker.lifecycle import read_records
 from tests.test_up import assert_archive_complete, metrics_base_port
 
 pytestmark = pytest.mark.timeout(900)
-STALE_MARGIN = 0.05  # the issue's bound: within 5 points of a run with no kill
+STALE_MARGIN = (
+    0.05  # the issue's bound: within 5 points of a run with no kill (targets not measured in pairs)
+)
+# The extra stale share of a learner-rank-1 kill over a run with no kill, in the same configuration (a pair).
+# `python -m benchmarks.crash_cost --pairs 10 --load` measured 10 pairs beside benchmarks.load's SuiteLoad (the
+# machine this test meets inside `make test`) on 2026-12-05 (benchmarks/results/crash_cost_pairs.2026-12-05_loaded.json):
+# no kill 0.059 to 0.086, kill minus no kill -0.045 to +0.033, mean -0.010, sd 0.021, nothing lost or trained
+# twice. One more pair of a correct system exceeds the Student t prediction bound 0.084 (normal fit 0.055) once
+# in a thousand.
+EXTRA_STALE_BOUND = 0.084
 
 
 @pytest.fixture(scope="module")
@@ -92,17 +103,19 @@ def run_with_kill(warm_model: Path, run_dir: Path, target: str) -> tuple[str, di
     return out, summary, report
 
 
-def test_kill_9_of_a_learner_rank_under_up_loses_nothing(warm_model: Path, tmp_path: Path) -> None:
+def test_kill_9_of_a_learner_rank_under_up_loses_nothing_and_costs_few_stale_drops(
+    warm_model: Path, baseline: dict, tmp_path: Path
+) -> None:
     """In the default run, the kill that only this test covers: a learner rank under `up` (the learner role
-    restarted, the run resumed from its checkpoint), checked from the records (check_run). An engine killed
-    mid-run is covered end to end by test_fleet_engines.py and test_weight_sync_e2e.py, the Redis server killed by
-    test_broker_crash.py. The stale-share bound against a run with no kill is the slow test's below: it compares
-    one run with one run and is not sized from a measured distribution (README, "Tests": it failed in 2 of 5
-    runs on 2026-12-04)."""
+    restarted, the run resumed from its checkpoint), checked from the records (check_run), and its extra stale
+    share over a run with no kill within EXTRA_STALE_BOUND. An engine killed mid-run is covered end to end by
+    test_fleet_engines.py and test_weight_sync_e2e.py, the Redis server killed by test_broker_crash.py."""
     out, summary, report = run_with_kill(warm_model, tmp_path / "run", "learner-rank-1")
     assert "learner (pid" in out and "restarting it" in out, out[-3000:]
+    fraction, base = stale_fraction(report), stale_fraction(baseline)
+    assert fraction - base <= EXTRA_STALE_BOUND, (report, baseline)
     print(
-        f"learner-rank-1: stale {stale_fraction(report):.3f}, audit {report}, wall {summary['wall_seconds']:.0f} s"
+        f"learner-rank-1: stale {fraction:.3f} (no kill {base:.3f}), audit {report}, wall {summary['wall_seconds']:.0f} s"
     )
 
 
@@ -110,7 +123,7 @@ def test_kill_9_of_a_learner_rank_under_up_loses_nothing(warm_model: Path, tmp_p
 @pytest.mark.parametrize(
     "target",
     [
-        "learner-rank-1", "engine-0", "redis-server", "learner-rank-0",
+        "engine-0", "redis-server", "learner-rank-0",
         "learner",  # the launcher of the ranks
         "rollout-0", "eval", "dashboard", "archive",
         "redis",  # `streamrl redis`, which runs the server

@@ -27,18 +27,19 @@ from streamrl.config import METRICS_PORT_OFFSETS
 from tests.prom import scrape
 
 pytestmark = pytest.mark.timeout(1200)
-# The held-out greedy gain this run must reach, on its best evaluation of a trained policy (summary.json's
-# eval_best_greedy: the live evaluator's, every 5 versions, and the final one). benchmarks/learning_gain.py ran this
-# very configuration (RUN_ARGS: the shipped default loss, STEPS = 40 steps, eta 1, 200 held-out problems) 10 times
-# on 2026-12-04 (benchmarks/results/learning_gain.json): 0.445 before every time, best gains 0.155 to 0.225, mean
-# 0.192, sd 0.022. A correct system falls below mean - 3.09 sd = 0.124 once in a thousand runs under a normal fit;
-# 0.10 is 4.2 sd below the mean. The final gain (0.130 to 0.205 in those runs, none ending 0.1 below its best) is
-# not asserted: with the earlier default loss (decoupled PPO, 80 steps, 2026-12-01) 2 runs of 10 fell late and a
-# fresh-clone run ended at +0.005 after a best of +0.175, so its lower tail is heavier than 10 runs can show. A
-# learner that cannot learn fails it every time: at learning rate ~0 (1e-12) the best gain was 0 in 3 runs of 3
-# (learning_gain_lr0.json), with advantages of the wrong sign (the reward inverted) it was at most -0.220 in 3 of 3
-# (learning_gain_inverted.json).
-MIN_BEST_GAIN = 0.10
+# The held-out greedy gain this run must reach between two fixed versions: the warm start (version 0) and the
+# final policy (version STEPS), so the figure does not depend on how many live evaluations a loaded machine fits
+# in (the best of those is reported, not asserted). benchmarks/learning_gain.py ran this very configuration
+# (RUN_ARGS: the shipped default loss, STEPS = 40 steps, eta 1, 200 held-out problems) 10 times beside
+# benchmarks.load's SuiteLoad (a slice of the suite in a loop, the machine this test meets inside `make test`) on
+# 2026-12-05, with the warm model that pinned numerics build bit-identically on any machine
+# (benchmarks/results/learning_gain.2026-12-05_loaded_deterministic_warm.json): 0.510 before every time, final
+# gains 0.185 to 0.250, mean 0.214, sd 0.025, no run ending 0.1 below its best. One more run of a correct system
+# falls below the Student t prediction bound 0.103 (normal fit: 0.138) once in a thousand; 0.10 is under both.
+# A learner that cannot learn fails it every time: at learning rate ~0 (1e-12) the final gain was 0 in 3 runs of 3
+# (learning_gain_lr0.json), with advantages of the wrong sign (the reward inverted) at most -0.380 in 3 of 3
+# (learning_gain_inverted.json); both with the earlier warm model on a quiet machine, not yet re-run under load.
+MIN_FINAL_GAIN = 0.10
 ROLES = ["redis", "engine-0", "engine-1", "learner", "rollout-0", "eval", "dashboard"]
 
 
@@ -218,10 +219,10 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
     assert summary["eval_version_before"] == 0 and summary["eval_after_is_final_policy"] is True
     # the first rollout request is recorded (benchmarks start their time-to-target clock there)
     assert summary["training_started_at"] < summary["first_request_at"] < summary["training_started_at"] + 600
-    # Learning is real. MIN_BEST_GAIN is sized from the best gain's measured distribution (see its definition); a
-    # learner that cannot learn fails it every time.
-    best_gain = summary["eval_best_greedy"] - summary["eval_reward_before"]
-    assert best_gain >= MIN_BEST_GAIN, (
+    # Learning is real. MIN_FINAL_GAIN is sized from the final gain's distribution measured under a suite-like
+    # load (see its definition); a learner that cannot learn fails it every time.
+    final_gain = summary["eval_reward_after"] - summary["eval_reward_before"]
+    assert final_gain >= MIN_FINAL_GAIN, (
         f"held-out greedy {summary['eval_reward_before']} -> best {summary['eval_best_greedy']} "
         f"(version {summary['eval_best_version']}), final {summary['eval_reward_after']}"
     )
