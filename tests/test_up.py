@@ -37,8 +37,8 @@ pytestmark = pytest.mark.timeout(1200)
 # gains 0.185 to 0.250, mean 0.214, sd 0.025, no run ending 0.1 below its best. One more run of a correct system
 # falls below the Student t prediction bound 0.103 (normal fit: 0.138) once in a thousand; 0.10 is under both.
 # A learner that cannot learn fails it every time: at learning rate ~0 (1e-12) the final gain was 0 in 3 runs of 3
-# (learning_gain_lr0.json), with advantages of the wrong sign (the reward inverted) at most -0.380 in 3 of 3
-# (learning_gain_inverted.json); both with the earlier warm model on a quiet machine, not yet re-run under load.
+# under the same load with this warm model (learning_gain_lr0.2026-12-05_loaded.json); with advantages of the
+# wrong sign (the reward inverted) at most -0.380 in 3 of 3 (learning_gain_inverted.json, the earlier warm model).
 MIN_FINAL_GAIN = 0.10
 ROLES = ["redis", "engine-0", "engine-1", "learner", "rollout-0", "eval", "dashboard"]
 
