@@ -91,6 +91,13 @@ def one_in_a_thousand(name: str, values: Sequence[float], side: str = "lower") -
     return summary
 
 
+def write_partial(out: Path, runs: Sequence[Any]) -> None:
+    """The runs so far, beside the result (a long measurement that stops early keeps what it measured)."""
+    partial = out.with_name(out.stem + ".partial.json")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text(json.dumps(runs, indent=1))
+
+
 def evaluate_targets(
     values: Mapping[str, float], targets: Mapping[str, tuple[str, float]]
 ) -> tuple[dict[str, dict[str, Any]], bool]:

@@ -44,7 +44,7 @@ from typing import Any
 
 import redis
 
-from benchmarks.common import one_in_a_thousand, write_result
+from benchmarks.common import one_in_a_thousand, write_partial, write_result
 from benchmarks.load import SuiteLoad
 from broker.config import SharedConfig
 from broker.lifecycle import ProcessRecord, read_records
@@ -282,9 +282,7 @@ def run_pairs(model: Path, work_dir: Path, target: str, pairs: int, out: Path) -
             f"lost {killed['lost']}, trained twice {killed['trained_twice']}",
             flush=True,
         )
-        partial = out.with_name(out.stem + ".partial.json")
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(results, indent=1))
+        write_partial(out, results)
     return results
 
 

@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import one_in_a_thousand, write_result
+from benchmarks.common import one_in_a_thousand, write_partial, write_result
 from benchmarks.load import SuiteLoad
 from rollout_fleet.tasks import Prompt, RewardResult
 
@@ -78,13 +78,6 @@ def run_once(run_dir: Path, model: Path, extra: list[str]) -> dict:
         / max(1, summary["audit"]["generated"]),
         "wall_seconds": summary["wall_seconds"],
     }
-
-
-def write_partial(out: Path, runs: list[dict]) -> None:
-    """The runs so far, beside the result (a long measurement that stops early keeps what it measured)."""
-    partial = out.with_name(out.stem + ".partial.json")
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    partial.write_text(json.dumps(runs, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:

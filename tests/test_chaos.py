@@ -45,9 +45,8 @@ from broker.lifecycle import read_records
 from tests.test_up import assert_archive_complete, metrics_base_port
 
 pytestmark = pytest.mark.timeout(900)
-STALE_MARGIN = (
-    0.05  # the bound: within 5 points of a run with no kill (targets not measured in pairs)
-)
+# The bound: within 5 points of a run with no kill (the targets not measured in pairs).
+STALE_MARGIN = 0.05
 # The extra stale share of a learner-rank-1 kill over a run with no kill, in the same configuration (a pair).
 # `python -m benchmarks.crash_cost --pairs 10 --load` measured 10 pairs beside benchmarks.load's SuiteLoad (the
 # machine this test meets inside `make test`) on 2026-12-05 (benchmarks/results/crash_cost_pairs.2026-12-05_loaded.json):
