@@ -27,6 +27,14 @@ class SharedConfig(Section):
     eta: int = Field(1, ge=0, description="Staleness bound in policy versions; 0 is synchronous on-policy.")
     model_path: Path | None = Field(None, description="Hugging Face model directory served and trained.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per process on CPU.")
+    devices: str = Field(
+        "auto",
+        description="GPUs the run may use: auto (the visible ones, else the CPU), cpu, or ids like '0,1,2,3'.",
+    )
+    placement: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated",
+        description="disaggregated: learner and engines on their own GPUs; colocated: engines on the learner's.",
+    )
     http_timeout_s: float = Field(
         30.0, gt=0, description="Timeout of every HTTP call between roles, seconds."
     )

@@ -46,6 +46,13 @@ def init_distributed(timeout_s: float, threads: int) -> DistInfo:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        if local_rank >= torch.cuda.device_count():
+            # NCCL refuses two ranks on one GPU; say which numbers disagree instead of failing inside it.
+            raise ConfigError(
+                f"learner rank {rank} (LOCAL_RANK {local_rank}) needs GPU {local_rank}, but this process sees "
+                f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES = {os.environ.get('CUDA_VISIBLE_DEVICES')!r}): "
+                "lower learner.world_size or give the learner more GPUs (shared.devices)"
+            )
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:

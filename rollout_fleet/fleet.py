@@ -84,25 +84,37 @@ def engine_command(shared: SharedConfig, engine: EngineConfig, port: int, index:
                 f"engine.kind = 'sglang' needs SGLang, which is not installed here: pip install '{SGLANG_EXTRA}' "
                 "(or use engine.kind = 'builtin')"
             )
-        args = [
-            sys.executable, "-m", "sglang.launch_server",
-            "--model-path", str(model),
-            "--host", engine.host,
-            "--port", str(port),
-            "--tp-size", str(engine.tp_size),
-            "--mem-fraction-static", str(engine.mem_fraction_static),
-            "--max-running-requests", str(engine.max_running_requests),
-        ]  # fmt: skip
-        if engine.seed is not None:
-            args += ["--random-seed", str(engine.seed)]
-        if engine.served_model_name:
-            args += ["--served-model-name", engine.served_model_name]
-        if engine.max_context_len:
-            args += ["--context-length", str(engine.max_context_len)]
-        if engine.dtype != "auto":
-            args += ["--dtype", engine.dtype]
-        return args + list(engine.extra_args)
+        return [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            *sglang_server_args(engine, model, engine.host, port),
+        ]
     raise FleetError(f"engine.kind = {engine.kind!r}: must be one of {ENGINE_KINDS}")
+
+
+def sglang_server_args(engine: EngineConfig, model: Path | str, host: str, port: int) -> list[str]:
+    """The arguments of ``python -m sglang.launch_server`` that serve ``model`` as ``[engine]`` says, on
+    ``host:port``: the one home of the SGLang launch line (the fleet, the engine role, a generated compose file)."""
+    args = [
+        "--model-path", str(model),
+        "--host", host,
+        "--port", str(port),
+        # The device plan (streamrl up) hands each engine only its own GPUs: its TP group starts at device 0.
+        "--base-gpu-id", "0",
+        "--tp-size", str(engine.tp_size),
+        "--mem-fraction-static", str(engine.mem_fraction_static),
+        "--max-running-requests", str(engine.max_running_requests),
+    ]  # fmt: skip
+    if engine.seed is not None:
+        args += ["--random-seed", str(engine.seed)]
+    if engine.served_model_name:
+        args += ["--served-model-name", engine.served_model_name]
+    if engine.max_context_len:
+        args += ["--context-length", str(engine.max_context_len)]
+    if engine.dtype != "auto":
+        args += ["--dtype", engine.dtype]
+    return args + list(engine.extra_args)
 
 
 def engine_ranks(engine: EngineConfig) -> int:

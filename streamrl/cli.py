@@ -22,6 +22,7 @@ commands:
 
   model init  build (or find cached) the warm-started tiny model: `streamrl model init --help`
   audit RUN_DIR  account for every prompt group of a run: generated, trained, dropped, lost
+  compose --devices N  write a docker-compose file for one GPU node from the device plan
   inspect RUN_DIR  the run's trajectory archive: rewards by step, staleness, best / worst / random samples
   eval --adversarial  score every built-in verifier's adversarial set (each case must score 0; exit 1 if not)
 
@@ -242,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         from streamrl.audit import main as audit_main
 
         return audit_main(rest)
+    if name == "compose":
+        from streamrl.compose import main as compose_main
+
+        return compose_main(rest)
     if name == "inspect":
         from streamrl.inspect import main as inspect_main
 

@@ -205,6 +205,13 @@ class StreamRLConfig(Section):
                 f"broker.claim_idle_ms = {self.broker.claim_idle_ms} must exceed twice "
                 f"learner.checkpoint_interval_s ({min_idle_ms:.0f} ms), or a live learner's entries get stolen"
             )
+        # Colocation pairs each engine with learner ranks on the same GPUs (CUDA IPC); Ray's GPU resources cannot
+        # promise that pairing, so the config refuses it rather than let the launcher place them apart.
+        if self.shared.placement == "colocated" and self.up.launcher == "ray":
+            raise ValueError(
+                "shared.placement = 'colocated' with up.launcher = 'ray': colocated engines and learner ranks "
+                "share GPUs on one node; run it with up.launcher = 'local' on that node (docs/devices.md)"
+            )
         # SGLang's adapter path reads what the learner writes: without a directory the first sync would fail.
         sync = self.weight_sync
         if self.learner.lora.enabled and sync.lora_sync == "adapter_path" and not sync.adapter_dir:

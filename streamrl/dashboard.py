@@ -54,6 +54,7 @@ from broker.prometheus import MetricsServer, metrics_route, start_metrics_server
 from broker.registry import EngineInfo, registry_key
 from broker.version import PolicyVersion
 from streamrl.config import DashboardConfig, StreamRLConfig
+from streamrl.devices import read_plan
 
 log = logging.getLogger("streamrl.dashboard")
 
@@ -176,6 +177,7 @@ class DashboardState:
         # and an open page keeps polling with its last id (at most 5 samples a second: refresh_s >= 0.2).
         self._sample_seq = int(time.time() * 1000)
         self._roles: tuple[float, list[str]] = (0.0, [])
+        self._devices: dict[str, Any] | None = None  # the run's device plan, read once up has written it
         self._http: aiohttp.ClientSession | None = None
 
     # -- sampling (one loop per server) ---------------------------------------------------------------------
@@ -312,8 +314,16 @@ class DashboardState:
             "roles": roles,
             "broker": broker,
             "engines": [v.as_json() for v in self.engines.values()],
+            "devices": self.device_plan(),
             "settings": {"refresh_s": self.config.refresh_s, "history_points": self.config.history_points},
         }
+
+    def device_plan(self) -> dict[str, Any] | None:
+        """The device plan ``up`` wrote for this run (RUN_DIR/devices.json), None before it is there."""
+        if self._devices is None:
+            with contextlib.suppress(OSError, ValueError):
+                self._devices = read_plan(Path(self.shared.run_dir))
+        return self._devices
 
     async def samples(self, limit: int) -> dict[str, Any]:
         """The live sample viewer's data: the archiver's latest samples and its status."""

@@ -340,6 +340,7 @@ def run_record(cfg: Any, argv: list[str] | None = None, now: float | None = None
         "argv": list(sys.argv if argv is None else argv),
         **environment(),
         "redis": None,
+        "devices": None,
         "model": model_info(cfg.shared.model_path) if cfg.shared.model_path else None,
         "task": task_info(cfg.rollout.task.name, task_options),
         "datasets": dataset_files(task_options),
@@ -463,6 +464,11 @@ def _update_latest(doc: Mapping[str, Any], fields: Mapping[str, Any]) -> dict[st
 def with_redis(doc: Mapping[str, Any], info: Mapping[str, Any]) -> dict[str, Any]:
     """The manifest with the Redis server of the latest ``up`` filled in."""
     return _update_latest(doc, {"redis": redis_server_info(info)})
+
+
+def with_devices(doc: Mapping[str, Any], plan: Mapping[str, Any]) -> dict[str, Any]:
+    """The manifest with the device plan of the latest ``up`` (streamrl.devices) filled in."""
+    return _update_latest(doc, {"devices": dict(plan)})
 
 
 def finish(

@@ -9,7 +9,8 @@ actor: a lost node takes its roles with it) and writes its log into ``RUN_DIR/lo
 
 Placement (docs/cluster.md):
 
-- engines: ``ray.engine_resources`` (default: ``engine.tp_size`` GPUs on a cluster with GPUs, else one CPU),
+- engines: ``ray.engine_resources`` (default: the device plan's GPUs per engine, ``engine.tp_size`` for SGLang and 1
+  for the built-in engine, on a cluster with GPUs, else one CPU; ``shared.placement = colocated`` is refused),
   placed before anything starts so their URLs (the node's address and a port free there) are in the config
   every role reads; a restarted engine goes back to its node.
 - the learner: ``learner.world_size`` ranks in one placement group (``ray.learner_resources`` a bundle,
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker.configlib import ConfigError
 from broker.lifecycle import die_with_parent
+from rollout_fleet.fleet import engine_ranks
 from streamrl.supervisor import ChildSpec
 
 if TYPE_CHECKING:
@@ -303,7 +305,8 @@ class RayLauncher:
     def engine_resources(self) -> dict[str, float]:
         if self.config.ray.engine_resources:
             return dict(self.config.ray.engine_resources)
-        return {"GPU": float(self.config.engine.tp_size)} if self.has_gpus else {"CPU": 1.0}
+        # the device plan's GPUs per engine: SGLang's TP group, one for the built-in engine
+        return {"GPU": float(engine_ranks(self.config.engine))} if self.has_gpus else {"CPU": 1.0}
 
     def learner_resources(self) -> dict[str, float]:
         if self.config.ray.learner_resources:

@@ -47,7 +47,7 @@ from broker.discovery import RedisNotFound, resolve_redis_url, url_file
 from broker.lifecycle import read_records, stop_leftovers
 from broker.server import free_port
 from rollout_fleet.fleet import engine_ranks
-from streamrl import manifest
+from streamrl import devices, manifest
 from streamrl.config import StreamRLConfig
 from streamrl.status import StatusReader
 from streamrl.supervisor import ChildSpec, Supervisor
@@ -217,15 +217,18 @@ def finish_manifest(cfg: StreamRLConfig, doc: dict[str, Any], code: int, totals:
 
 
 def child_specs(
-    cfg: StreamRLConfig, config_path: Path
+    cfg: StreamRLConfig, config_path: Path, plan: devices.DevicePlan | None = None
 ) -> tuple[list[list[ChildSpec]], list[list[ChildSpec]]]:
     """(children started before the baseline evaluation, children started after it), each a list of stages: the
     children of a stage start together and the next stage starts once all of them are ready. Each child is
-    restarted when it dies, within its budget ``up.<role>_restarts``."""
+    restarted when it dies, within its budget ``up.<role>_restarts``. With a device ``plan`` each child sees the
+    GPUs the plan gives it (CUDA_VISIBLE_DEVICES), and a role that needs none sees none."""
     up = cfg.up
 
     def role(name: str, command: str, budget: int, *args: str, **spec: Any) -> ChildSpec:
         spec.setdefault("restart", "on-failure")
+        if plan is not None:
+            spec.setdefault("env", plan.no_gpu_env())
         return ChildSpec(name, _argv(command, config_path, *args), max_restarts=budget, **spec)
 
     # The engines need nothing of Redis: they start beside it. The archiver needs Redis, the router the engines.
@@ -242,6 +245,7 @@ def child_specs(
             f"engine-{i}", "engine", up.engine_restarts, f"--engine.port={port}", f"--engine.seed={seed}",
             ready=lambda u=url: _http_ok(f"{u}/model_info"),
             restart="always",  # an engine exits only when told to (or when it dies)
+            **({} if plan is None else {"env": plan.engine_env(i)}),
         )  # fmt: skip
         servers.append(engine)
     if cfg.rollout.router == "sglang" and cfg.rollout.sglang_router_port:  # an sglang-router in front of them
@@ -258,6 +262,7 @@ def child_specs(
         finishes_run=cfg.learner.max_steps > 0,
         ready=lambda: _version_published(cfg),
         ready_timeout_s=cfg.weight_sync.wait_for_engines_s + cfg.weight_sync.timeout_s,
+        **({} if plan is None else {"env": plan.learner_env()}),  # each rank: cuda:LOCAL_RANK inside it
     )  # fmt: skip
     clients: list[ChildSpec] = []
     for w in range(cfg.rollout.workers):
@@ -370,6 +375,9 @@ def _run_up(config: StreamRLConfig) -> int:
 def _supervise(config: StreamRLConfig, started: float, launcher: RayLauncher | None) -> int:
     """Start every role in order and watch them: as local child processes (``launcher`` None) or through the Ray
     launcher (streamrl.ray_launcher), which places each role and hands the supervisor a handle on it."""
+    # The device plan first: a plan that does not fit is refused before anything is built or started. On a Ray
+    # cluster the launcher places devices by Ray resources of the plan's shape instead.
+    plan = devices.plan_for(config) if launcher is None else None
     cfg = resolve(config)
     if launcher is not None:
         cfg = launcher.place(cfg)  # the engines' nodes decide their URLs, which every role reads
@@ -377,6 +385,12 @@ def _supervise(config: StreamRLConfig, started: float, launcher: RayLauncher | N
     write_config(cfg)
     run_dir = cfg.shared.run_dir
     print(f"streamrl up: run directory {run_dir} (logs in {run_dir / 'logs'})", flush=True)
+    if plan is not None:
+        for line in plan.describe():
+            print(f"streamrl up: {line}", flush=True)
+        devices.write_plan(plan, run_dir)
+        run_manifest = manifest.with_devices(run_manifest, plan.to_json())
+        manifest.write_manifest(run_dir / manifest.MANIFEST_FILE, run_manifest)
     sup = Supervisor(
         run_dir / "logs",
         grace_s=cfg.up.grace_s,
@@ -387,7 +401,7 @@ def _supervise(config: StreamRLConfig, started: float, launcher: RayLauncher | N
         spawn=None if launcher is None else launcher.spawn,
     )
     sup.install_signal_handlers()
-    before, after = child_specs(cfg, run_dir / "config.toml")
+    before, after = child_specs(cfg, run_dir / "config.toml", plan)
     if launcher is not None:
         before, after = launcher.adapt(before, after)
     status = StatusReader(cfg)

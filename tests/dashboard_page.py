@@ -29,6 +29,7 @@ return {
   ready: document.body.dataset.ready || null,
   status: document.getElementById('status').textContent,
   run: document.getElementById('run-id').textContent,
+  devices: document.getElementById('devices').textContent,
   tiles: Object.fromEntries(attrs('.tile .value', e => [e.id, [e.dataset.value ?? null, e.textContent]])),
   charts: Object.fromEntries(attrs('figure.chart', f => [f.id, {
     points: Number(f.dataset.points || 0),

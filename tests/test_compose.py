@@ -3,6 +3,8 @@ validate, and ports and URLs agree across services (no Docker engine is needed t
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -98,3 +100,54 @@ def test_ports_and_urls_agree_across_services() -> None:
     port = next(o.split("=", 1)[1] for o in dash_opts if o.startswith("--dashboard.port="))
     assert services["dashboard"]["ports"][0].rsplit(":", 1)[1] == port
     assert services["dashboard"]["ports"][0].startswith("127.0.0.1:")  # published on loopback only
+
+
+def compose_output(*args: str) -> str:
+    """What `streamrl compose ARGS` prints."""
+    from streamrl.compose import main as compose_main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert compose_main(list(args)) == 0
+    return buf.getvalue()
+
+
+def generated(*args: str) -> dict:
+    return yaml.safe_load(substitute(compose_output(*args), env_values()))
+
+
+def test_the_compose_file_is_what_the_device_plan_writes() -> None:
+    """docker-compose.yml is `streamrl compose`'s output for the command its header names: edited by hand, it
+    would drift from the plan that `up` uses."""
+    text = (ROOT / "docker-compose.yml").read_text()
+    command = re.search(r"written by `streamrl compose ([^`]*)`", text).group(1).split()
+    assert compose_output(*command) == text, (
+        "regenerate: python -m streamrl compose --devices N --out docker-compose.yml"
+    )
+
+
+def test_eight_gpus_with_tensor_parallel_engines_reserve_the_plans_devices() -> None:
+    doc = generated("--devices", "8", "--learner.world_size=4", "--engine.tp_size=2")
+    services = doc["services"]
+    reserved = {
+        name: svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+        for name, svc in services.items()
+        if "deploy" in svc
+    }
+    assert reserved == {"learner": ["0", "1", "2", "3"], "sglang-0": ["4", "5"], "sglang-1": ["6", "7"]}
+    for name in ("sglang-0", "sglang-1"):
+        cmd = services[name]["command"]
+        assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--base-gpu-id") + 1] == "0"
+    learner = services["learner"]["command"]
+    assert "--nproc_per_node=4" in learner and "--learner.world_size=4" in learner
+    _, options = streamrl_call(learner)
+    load(options)
+
+
+def test_a_node_too_small_for_the_plan_is_refused_by_name(capsys) -> None:
+    from streamrl.compose import main as compose_main
+
+    assert compose_main(["--devices", "3"]) == 2
+    assert "= 4 GPUs, but shared.devices gives 3" in capsys.readouterr().err
+    assert compose_main(["--devices", "4", "--shared.placement=colocated"]) == 2
+    assert "shared.placement = 'colocated'" in capsys.readouterr().err

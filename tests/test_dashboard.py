@@ -279,3 +279,19 @@ def test_daemon_serves_until_sigterm_and_says_when_there_is_no_redis(redis_url: 
         env=env,
     )
     assert res.returncode == 2 and "no Redis" in res.stderr
+
+
+async def test_summary_shows_the_run_device_plan_once_up_wrote_it(client, tmp_path: Path) -> None:
+    from streamrl.devices import resolve_plan, write_plan
+
+    shared = SharedConfig(run_id="dash-devices", run_dir=tmp_path)
+    running = await start_dashboard(client, shared, DASH, BROKER, port=0)
+    try:
+        status, body = await get(f"{running.url}/api/summary")
+        assert status == 200 and body["devices"] is None  # up has not written a plan (yet)
+        write_plan(resolve_plan(["0", "1", "2", "3"], "disaggregated", 2, 2, 1), tmp_path)
+        status, body = await get(f"{running.url}/api/summary")
+        assert body["devices"]["learner"] == ["0", "1"] and body["devices"]["engines"] == [["2"], ["3"]]
+        assert body["devices"]["placement"] == "disaggregated" and body["devices"]["device"] == "cuda"
+    finally:
+        await running.stop()

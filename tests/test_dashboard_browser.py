@@ -134,9 +134,16 @@ async def write_run(client: aioredis.Redis, engine_url: str) -> dict[str, Any]:
     return {"last": last, "engine_id": engine_id, "backlog": 6, "pending": 4, "lag": 2}
 
 
-async def test_page_shows_the_runs_values_and_updates_live(browser, engine_url: str, redis_url: str) -> None:
+async def test_page_shows_the_runs_values_and_updates_live(
+    browser, engine_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    from streamrl.devices import resolve_plan, write_plan
+
     client = connect(redis_url, BROKER)
-    running = await start_dashboard(client, SHARED, DASH, BROKER, port=0)
+    # the device plan up writes into the run directory: the page's header shows it
+    write_plan(resolve_plan(["0", "1", "2", "3"], "disaggregated", 2, 2, 1), tmp_path)
+    shared = SHARED.model_copy(update={"run_dir": tmp_path})
+    running = await start_dashboard(client, shared, DASH, BROKER, port=0)
     try:
         expect = await write_run(client, engine_url)
         last = expect["last"]
@@ -150,6 +157,7 @@ async def test_page_shows_the_runs_values_and_updates_live(browser, engine_url: 
         state = await asyncio.to_thread(wait_for, browser, complete, "the run's data")
 
         assert state["run"] == "browser" and state["status"].startswith("live")
+        assert state["devices"] == "disaggregated: learner GPU 0,1 · engine-0 GPU 2 · engine-1 GPU 3"
         assert tile(state, "step") == STEPS and state["tiles"]["stat-step"][1] == str(STEPS)
         assert tile(state, "version") == STEPS
         assert tile(state, "reward") == last["reward_mean"]

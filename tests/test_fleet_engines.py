@@ -141,6 +141,7 @@ def test_sglang_command_line_and_the_missing_extra(tmp_path: Path, monkeypatch: 
     pairs = dict(zip(cmd[3::2], cmd[4::2], strict=False))
     assert pairs["--model-path"] == str(tmp_path / "m") and pairs["--port"] == "30007"
     assert (pairs["--tp-size"], pairs["--mem-fraction-static"]) == ("2", "0.7")
+    assert pairs["--base-gpu-id"] == "0"  # the device plan gives each engine only its own GPUs
     # SGLang 0.5.23's launch_server has no --weight-version: it starts at "default", which reads as version 0
     assert "--weight-version" not in cmd
     assert cmd[-2:] == ["--log-level", "warning"]

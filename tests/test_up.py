@@ -24,6 +24,7 @@ from benchmarks.learning_gain import RUN_ARGS, STEPS
 from broker.server import ephemeral_port_range
 from learner import checkpoint
 from streamrl.config import METRICS_PORT_OFFSETS
+from tests.procs import check_run_environments
 from tests.prom import scrape
 
 pytestmark = pytest.mark.timeout(1200)
@@ -285,19 +286,29 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
 
 
 def test_sigterm_stops_every_role_cleanly(tmp_path: Path, warm_model: Path) -> None:
+    """Also the device plan on a node of 4 GPUs (named: this machine has none, so every role still computes on
+    the CPU): each Python process of every role, the learner's ranks included, really sees the
+    GPUs the plan gives its role (read from /proc), and the plan is printed, written and in the manifest."""
     run_dir = tmp_path / "run"
     # 20 held-out problems, not 200: the evaluation before training is not what this test is of
     proc = up(
-        run_dir, warm_model, metrics_base_port(), "--learner.wandb_mode=disabled", "--eval.heldout_prompts=20"
-    )
+        run_dir, warm_model, metrics_base_port(), "--learner.wandb_mode=disabled", "--eval.heldout_prompts=20",
+        "--shared.devices=0,1,2,3",
+    )  # fmt: skip
     deadline = time.monotonic() + 600
     while learner_step(run_dir) < 2:
         assert proc.poll() is None, proc.stdout.read()
         assert time.monotonic() < deadline
         time.sleep(0.5)
+    seen = check_run_environments(run_dir, learner_ranks=2)
+    assert {"redis", "engine-0", "engine-1", "learner", "rollout-0", "eval", "dashboard"} <= set(seen)
+    assert seen["learner"] == {"0,1"} and seen["engine-0"] == {"2"} and seen["engine-1"] == {"3"}
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out
+    assert "device plan (disaggregated): GPUs 0,1,2,3" in out and "engine-1: GPUs 3" in out
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["devices"]["learner"] == ["0", "1"] and manifest["devices"]["engines"] == [["2"], ["3"]]
     for role in ("learner", "rollout-0", "eval", "engine-0", "redis"):
         assert f"stopping {role}" in out
     assert "killing" not in out  # every role drained within its grace period

@@ -278,10 +278,19 @@ function renderTiles() {
   }
 }
 
+// The run's device plan (RUN_DIR/devices.json, written by up): which GPUs the learner and each engine see.
+function describeDevices(plan) {
+  if (!plan) return "no plan recorded";
+  if (plan.device !== "cuda") return `CPU (${plan.placement})`;
+  const engines = plan.engines.map((g, i) => `engine-${i} GPU ${g.join(",")}`);
+  return [`${plan.placement}: learner GPU ${plan.learner.join(",")}`, ...engines].join(" · ");
+}
+
 function renderHeader() {
   const sum = S.summary;
   document.getElementById("run-id").textContent = sum.run_id;
   document.getElementById("eta").textContent = String(sum.eta);
+  document.getElementById("devices").textContent = describeDevices(sum.devices);
   const stale = Math.max(30, 5 * S.refreshMs / 1000);
   const pills = Object.entries(sum.roles).map(([role, r]) => {
     const live = r.age_s !== null && r.age_s < stale ? 1 : 0;
