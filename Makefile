@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 VF_VENV ?= .venv-verifiers
 VF_STAMP := $(VF_VENV)/.installed
 
-.PHONY: run test install lint format bench-quick clean browser gpu-check verifiers-venv
+.PHONY: run test install lint format bench-quick clean browser gpu-check gpu-bundle verifiers-venv
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +72,13 @@ bench-quick: $(STAMP)
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) -m benchmarks.gpu_check --out benchmarks/results/gpu_check.json
+
+# Wheels for the lent GPU machine, which reaches no package index (benchmarks/gpu_bundle.py): the runtime
+# dependencies (and pytest-asyncio for `pytest -m gpu`) its image lacks (benchmarks/gpu_machine_packages.txt),
+# never torch or CUDA, at this venv's versions, into gpu-bundle/ with requirements.txt and manifest.json; fails
+# over 60 MB; prints the one command that installs them there offline and runs the GPU check.
+gpu-bundle: $(STAMP)
+	$(PY) -m benchmarks.gpu_bundle --out gpu-bundle
 
 clean:
 	rm -rf $(VENV) $(VF_VENV) runs .pytest_cache
