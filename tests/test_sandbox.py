@@ -340,6 +340,11 @@ def test_launcher_isolates_without_root(work_root: Path):
     if shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) missing")
     uid = 39000 + random.randrange(500)
+    # A non-root worker reads its own checkout; the uid standing in for one here may not (a checkout under a 0700
+    # directory, as mktemp makes): it runs a copy of the launcher it can read.
+    launcher = work_root / "sandbox_launcher.py"
+    shutil.copyfile(sandbox_launcher.__file__, launcher)
+    os.chmod(launcher, 0o644)
     workdir = work_root / "call-nonroot"
     workdir.mkdir(mode=0o700)
     os.chown(workdir, uid, uid)
@@ -383,7 +388,7 @@ print("uid:", os.getuid())
         "--clear-groups",
         "/usr/bin/python3",
         "-I",
-        sandbox_launcher.__file__,
+        str(launcher),
         json.dumps(spec),
     ]
     try:
