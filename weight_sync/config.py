@@ -15,6 +15,11 @@ class WeightSyncConfig(Section):
     group_name: str = Field(
         "weight_update_group", min_length=1, description="Name (and store prefix) of the update group."
     )
+    transport: Literal["distributed", "tensor"] = Field(
+        "distributed",
+        description="distributed: broadcast over a process group; tensor: colocated, by CUDA IPC / shared-memory "
+        "handle through /update_weights_from_tensor.",
+    )
     bucket_mb: float = Field(256, gt=0, description="Bucket size for the broadcast, MiB (fractions allowed).")
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
         "in_place",
@@ -24,8 +29,9 @@ class WeightSyncConfig(Section):
     timeout_s: float = Field(120.0, gt=0, description="Timeout of every broadcast and update call, seconds.")
     load_format: Literal["auto", "flattened_bucket", "per_tensor"] = Field(
         "auto",
-        description="flattened_bucket: one broadcast of a packed uint8 buffer per bucket; per_tensor: one per "
-        "tensor (CPU engines receive them in place); auto: flattened_bucket on nccl, per_tensor on gloo.",
+        description="flattened_bucket: one broadcast (or handle) of a packed uint8 buffer per bucket; per_tensor: "
+        "one per tensor (CPU engines receive them in place); auto: flattened_bucket on nccl and with transport "
+        "tensor, per_tensor on gloo.",
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Backend of the update group; auto is nccl with a GPU, else gloo."
@@ -102,6 +108,8 @@ class WeightSyncConfig(Section):
         broadcasts land in the model's own tensors, saving the unpack copy (docs/weight_sync.md, numbers)."""
         if self.load_format != "auto":
             return self.load_format
+        if self.transport == "tensor":  # one handle per bucket; per tensor would only add handles
+            return "flattened_bucket"
         return "flattened_bucket" if backend == "nccl" else "per_tensor"
 
     def flush(self) -> bool:

@@ -72,11 +72,12 @@ def _update_handler(receiver: WeightReceiver, parse: Callable[[Any], Any]) -> Ha
 
 
 def weight_routes(receiver: WeightReceiver, sessions: bool = True) -> list[web.RouteDef]:
-    """init / update / destroy, plus begin / end when ``sessions`` (SGLang 0.5.23; without them, 404), plus the
+    """init / update (by broadcast, or colocated by handle) / destroy, plus begin / end when ``sessions`` (SGLang 0.5.23; without them, 404), plus the
     LoRA adapter update when the receiver has ``load_adapter``."""
     routes = [
         web.post(protocol.INIT_GROUP, _handler(protocol.parse_init_group, receiver.init_group)),
         web.post(protocol.UPDATE_DISTRIBUTED, _update_handler(receiver, protocol.parse_update_distributed)),
+        web.post(protocol.UPDATE_TENSOR, _update_handler(receiver, protocol.parse_update_tensor)),
         web.post(protocol.DESTROY_GROUP, _handler(protocol.parse_group_name, receiver.destroy_group)),
     ]
     if receiver.load_adapter is not None:  # without it the route is absent (404), as on SGLang

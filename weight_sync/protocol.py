@@ -5,7 +5,9 @@ SGLang 0.5.23 (``managers/io_struct.py``, ``scheduler_components/weight_updater.
 shared/reference/sglang-api.md sections 3 and 4 and docs/weight_sync.md.
 
 Order per update: pause_generation -> begin_weight_update (absent, 404, before 0.5.23) ->
-update_weights_from_distributed per bucket -> end_weight_update -> continue_generation.
+update_weights_from_distributed (or, colocated, update_weights_from_tensor) per bucket -> end_weight_update ->
+continue_generation. Colocated engines also sleep and wake: release_memory_occupation /
+resume_memory_occupation with tags (section 4).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from weight_sync.lora import LoraSpec
 
 INIT_GROUP = "/init_weights_update_group"
 UPDATE_DISTRIBUTED = "/update_weights_from_distributed"
+UPDATE_TENSOR = "/update_weights_from_tensor"
+RELEASE_MEMORY = "/release_memory_occupation"
+RESUME_MEMORY = "/resume_memory_occupation"
 BEGIN = "/begin_weight_update"
 END = "/end_weight_update"
 PAUSE = "/pause_generation"
@@ -37,12 +42,19 @@ LOAD_LORA_DISTRIBUTED = "/load_lora_adapter_from_distributed"
 DEFAULT_GROUP = "weight_update_group"
 PAUSE_MODES = ("abort", "retract", "in_place")
 LOAD_FORMATS = (None, "flattened_bucket")
+# update_weights_from_tensor: "direct" loads by name like null; SGLang's custom loader import paths are refused.
+TENSOR_LOAD_FORMATS = (None, "direct", "flattened_bucket")
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 # Reply messages, verbatim from SGLang 0.5.23.
 MSG_INIT_OK = "Succeeded to initialize custom process group."
 MSG_UPDATE_OK = "Succeeded to update parameter online."
 MSG_SESSION_REQUIRED = (
     "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+)
+# By analogy with the line above (section 3.3 quotes only the distributed one).
+MSG_TENSOR_SESSION_REQUIRED = (
+    "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
 )
 MSG_BEGIN_TWICE = "a weight-update session is already open; call end_weight_update() first"
 MSG_END_WITHOUT_BEGIN = "no weight-update session is open; call begin_weight_update() first"
@@ -107,6 +119,36 @@ def update_distributed_body(
         "weight_version": weight_version,
         "load_format": load_format,
     }
+
+
+def update_tensor_body(
+    serialized_named_tensors: list[str],
+    flush_cache: bool = True,
+    weight_version: str | None = None,
+    load_format: str | None = None,
+    abort_all_requests: bool = False,
+) -> dict[str, Any]:
+    """``/update_weights_from_tensor`` for one bucket: one serialized payload per TP rank of the engine
+    (``weight_sync.tensor_transport.serialize``), rank r reading element r."""
+    if not serialized_named_tensors:
+        raise ValueError("serialized_named_tensors needs one entry per TP rank")
+    if load_format not in TENSOR_LOAD_FORMATS:
+        raise ValueError(f"load_format = {load_format!r}: expected one of {TENSOR_LOAD_FORMATS}")
+    return {
+        "serialized_named_tensors": list(serialized_named_tensors),
+        "load_format": load_format,
+        "flush_cache": bool(flush_cache),
+        "abort_all_requests": bool(abort_all_requests),
+        "weight_version": weight_version,
+    }
+
+
+def memory_body(tags: list[str] | None = None) -> dict[str, Any]:
+    """``/release_memory_occupation`` and ``/resume_memory_occupation``: ``tags`` None (or empty) means all."""
+    if tags is None:
+        return {"tags": None}
+    parse_memory_tags({"tags": list(tags)}, RELEASE_MEMORY)  # refuse a typo here, not on the engine
+    return {"tags": list(tags)}
 
 
 def lora_distributed_body(
@@ -260,6 +302,59 @@ def parse_update_distributed(body: Any) -> UpdateRequest:
         weight_version=version,
         load_format=load_format,
     )
+
+
+@dataclass(frozen=True)
+class TensorUpdateRequest:
+    """``/update_weights_from_tensor``: the tensors arrive by handle, so the request carries no names until the
+    payload is unpacked (``weight_sync.tensor_transport.unpack``)."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+def _optional(body: dict, key: str, kind: type, default: Any, endpoint: str) -> Any:
+    value = body.get(key, default)
+    if value is not None and not isinstance(value, kind):
+        raise ValueError(f"{endpoint}: field {key!r} = {value!r} must be a {kind.__name__} or null")
+    return default if value is None else value
+
+
+def parse_update_tensor(body: Any) -> TensorUpdateRequest:
+    ep = UPDATE_TENSOR
+    serialized = _require(body, "serialized_named_tensors", list, ep)
+    if not serialized or not all(isinstance(s, str) and s for s in serialized):
+        raise ValueError(
+            f"{ep}: field 'serialized_named_tensors' must be a non-empty list of base64 strings, one per TP rank"
+        )
+    load_format = body.get("load_format")
+    if load_format not in TENSOR_LOAD_FORMATS:
+        raise ValueError(
+            f"{ep}: field 'load_format' = {load_format!r}: the built-in engine takes {TENSOR_LOAD_FORMATS} "
+            "(no custom loaders)"
+        )
+    return TensorUpdateRequest(
+        serialized_named_tensors=serialized,
+        load_format=None if load_format == "direct" else load_format,
+        flush_cache=_optional(body, "flush_cache", bool, True, ep),
+        abort_all_requests=_optional(body, "abort_all_requests", bool, False, ep),
+        weight_version=_optional(body, "weight_version", str, None, ep),
+    )
+
+
+def parse_memory_tags(body: Any, endpoint: str) -> tuple[str, ...]:
+    """The tags of a release / resume body; ``null`` (or no field) means every tag, as SGLang does."""
+    if not isinstance(body, dict):
+        raise ValueError(f"{endpoint}: the body must be a JSON object, got {type(body).__name__}")
+    tags = body.get("tags")
+    if tags is None:
+        return MEMORY_TAGS
+    if not isinstance(tags, list) or not all(t in MEMORY_TAGS for t in tags):
+        raise ValueError(f"{endpoint}: field 'tags' = {tags!r} must be null or a list of {list(MEMORY_TAGS)}")
+    return tuple(dict.fromkeys(tags)) or MEMORY_TAGS
 
 
 def parse_lora_distributed(body: Any) -> UpdateRequest:

@@ -1,4 +1,6 @@
-"""Engine side of the weight sync: join the update group, receive buckets, hand them to the model.
+"""Engine side of the weight sync: join the update group, receive buckets, hand them to the model. Colocated
+engines take the same buckets by handle (``update_weights_from_tensor``, ``weight_sync.tensor_transport``): no
+group, the same turns, session rules and replies.
 
 The built-in engine's HTTP handlers call a ``WeightReceiver``; every method may block (``init_group`` until rank 0
 joins, ``update`` until the broadcast arrives), so handlers run them in a thread. Replies are ``(success,
@@ -31,6 +33,7 @@ from weight_sync import protocol
 from weight_sync.buckets import TensorMeta, layout, unflatten
 from weight_sync.group import UpdateGroup, join_group
 from weight_sync.lora import LoraSpec
+from weight_sync.tensor_transport import unpack
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 LoadWeights = Callable[[NamedTensors], None]
@@ -205,8 +208,12 @@ class WeightReceiver:
 
     # ------------------------------------------------------------------------------------------ update
 
-    def update(self, req: protocol.UpdateRequest, ticket: int | None = None) -> tuple[bool, str]:
-        """Receive one bucket broadcast from rank 0 and load it. Blocks until the data arrived or timed out."""
+    def update(
+        self, req: protocol.UpdateRequest | protocol.TensorUpdateRequest, ticket: int | None = None
+    ) -> tuple[bool, str]:
+        """Receive one bucket and load it: broadcast from rank 0 (``update_weights_from_distributed``; blocks until
+        the data arrived or timed out), or unpacked from the handles of ``update_weights_from_tensor`` (colocated:
+        the sender's memory, mapped here). Both take the same turns and session rules."""
         ticket = self.take_ticket() if ticket is None else ticket
         outcome, named = None, None
         with self._cv:  # receive stage: in ticket order, once the load that used this buffer is done
@@ -216,10 +223,13 @@ class WeightReceiver:
             )
             outcome, group = self._admit(req)
         try:
-            if outcome is None:
+            if outcome is None and isinstance(req, protocol.TensorUpdateRequest):
+                named = unpack(req.serialized_named_tensors, req.load_format, self.tp_rank)
+            elif outcome is None:
                 named = self._receive(group, req.metas, req.load_format, ticket % 2, req.adapter is None)
         except Exception as exc:
             outcome = self._fail(f"Failed to receive weights: {exc}", partial=True)
+            _drop_frames(exc)
         finally:
             with self._cv:
                 self._recv_turn += 1
@@ -230,14 +240,23 @@ class WeightReceiver:
             if outcome is None:
                 outcome = self._load(req, named)
         finally:
+            named = None  # a colocated payload maps the sender's memory: close it before replying
             with self._cv:
                 self._load_turn += 1
                 self._cv.notify_all()
         return outcome
 
-    def _admit(self, req: protocol.UpdateRequest) -> tuple[tuple[bool, str] | None, UpdateGroup | None]:
+    def _admit(
+        self, req: protocol.UpdateRequest | protocol.TensorUpdateRequest
+    ) -> tuple[tuple[bool, str] | None, UpdateGroup | None]:
+        tensor = isinstance(req, protocol.TensorUpdateRequest)
         if self.require_session and not self.session_open:
-            return (False, protocol.MSG_SESSION_REQUIRED), None
+            return (
+                False,
+                protocol.MSG_TENSOR_SESSION_REQUIRED if tensor else protocol.MSG_SESSION_REQUIRED,
+            ), None
+        if tensor:
+            return None, None  # no group: the payload names shared memory
         if req.adapter is not None and self.load_adapter is None:
             return self._fail("Failed to load LoRA adapter: this engine does not serve LoRA adapters."), None
         group = self.groups.get(req.group_name)
@@ -250,21 +269,28 @@ class WeightReceiver:
             return self._fail(message), None
         return None, group
 
-    def _load(self, req: protocol.UpdateRequest, named: NamedTensors) -> tuple[bool, str]:
+    def _load(
+        self, req: protocol.UpdateRequest | protocol.TensorUpdateRequest, named: NamedTensors
+    ) -> tuple[bool, str]:
+        adapter = getattr(req, "adapter", None)
         try:
-            if named and req.adapter is not None:
-                self.load_adapter(named, req.adapter)  # _admit refused the update if there is none
+            if named and adapter is not None:
+                self.load_adapter(named, adapter)  # _admit refused the update if there is none
             elif named:
                 self.load_weights(named)
         except Exception as exc:
+            _drop_frames(exc)
             return self._fail(f"Failed to load weights: {exc}", partial=True)
+        metas = (
+            req.metas if isinstance(req, protocol.UpdateRequest) else [TensorMeta.of(n, t) for n, t in named]
+        )
         with self._cv:
             if self.session_open:
                 self.session_loaded = True
                 self.consistent = False  # whole again only when end() closes a session without failures
             self.stats.updates += 1
-            self.stats.tensors += len(req.metas)
-            self.stats.bytes += sum(m.nbytes for m in req.metas)
+            self.stats.tensors += len(metas)
+            self.stats.bytes += sum(m.nbytes for m in metas)
             if req.weight_version is not None:
                 self._set_version(req.weight_version)
         return True, protocol.MSG_UPDATE_OK + protocol.version_suffix(req.weight_version)
@@ -339,6 +365,15 @@ class WeightReceiver:
 
 
 # ------------------------------------------------------------------------------------------ helpers
+
+
+def _drop_frames(exc: BaseException | None) -> None:
+    """Cut a failed update's traceback: its frames hold the received tensors, and an error that crossed threads
+    (the scheduler's future keeps it) sits in a reference cycle, so a colocated payload's shared memory would
+    stay mapped until the next garbage collection."""
+    while exc is not None:
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
 
 
 def copy_into(model: nn.Module) -> LoadWeights:

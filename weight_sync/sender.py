@@ -1,5 +1,6 @@
 """Learner side of the weight sync: gather full tensors from FSDP2 shards, bucket them, broadcast them from the
-learner's rank 0 to every engine rank while driving SGLang's HTTP update protocol, and survive engines dying.
+learner's rank 0 to every engine rank (or, colocated, pass them by handle) while driving SGLang's HTTP update
+protocol, and survive engines dying.
 
 Every learner rank calls ``sync_weights(model, version, sender)``; only rank 0 holds a ``WeightSender``.
 
@@ -19,6 +20,16 @@ the whole model is sent again (every learner rank takes part in the new gather; 
 one-element broadcast over the learner's group). Survivors keep their weight-update session open across the
 retry, so a partially updated engine never closes a session, never gets ``continue_generation``, and never
 serves.
+
+Colocated (``weight_sync.transport = "tensor"``: the learner and the engines share a device): the transport
+changes, not the protocol. There is no process group; each packed bucket lives in a buffer that travels by
+handle (a CUDA IPC handle on GPU, a /dev/shm file on CPU: ``weight_sync.tensor_transport``) through SGLang's
+``/update_weights_from_tensor``, serialized once per engine rank. Versions, pause / begin / end / continue,
+pipelining, quarantine, retries and rejoining are the code above, shared. A buffer stays alive and out of the
+pool until every engine has replied (it is what they read), and after each attempt the sender unlinks its
+buffers' names, so an engine killed while mapping one leaves nothing behind. Between syncs the engines sleep:
+``WeightSender.sleep`` pauses them (abort) and releases their memory (``/release_memory_occupation``), and
+``WeightSender.wake`` resumes it before the next ``sync_weights``, which updates and continues them.
 
 Rejoining: before each sync the publisher calls ``WeightSender.rejoin``, which probes every engine's
 ``weight_version`` (``GET /model_info``). A quarantined engine that answers again, or a member whose label is not
@@ -44,8 +55,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weight_sync import protocol
-from weight_sync.buckets import Bucket, BucketBuilder, flatten_into
+from weight_sync import protocol, tensor_transport
+from weight_sync.buckets import Bucket, BucketBuilder, flatten_into, unflatten
 from weight_sync.client import EngineHttp, wait_reply
 from weight_sync.config import WeightSyncConfig
 from weight_sync.group import UpdateGroup, default_backend, host_address, join_group, open_store
@@ -147,23 +158,31 @@ class BufferPool:
     each time (glibc maps and unmaps big buffers); on GPU the caching allocator does this anyway. ``count`` = 3:
     one in flight, one queued, one being packed."""
 
-    def __init__(self, nbytes: int, device: torch.device, count: int = 3) -> None:
+    def __init__(
+        self,
+        nbytes: int,
+        device: torch.device,
+        count: int = 3,
+        alloc: Callable[[int, torch.device], torch.Tensor] | None = None,
+    ) -> None:
         self.nbytes, self.device = nbytes, device
+        # The colocated transport allocates buffers that can travel by handle (tensor_transport.SharedBuffers).
+        self._alloc = alloc or (lambda n, dev: torch.empty(n, dtype=torch.uint8, device=dev))
         self._free: queue.Queue[torch.Tensor | None] = queue.Queue()
         for _ in range(count):
             self._free.put(None)  # a slot whose buffer is allocated on first use
 
     def acquire(self, nbytes: int, alive: Callable[[], bool]) -> torch.Tensor:
         if nbytes > self.nbytes:  # a lone tensor larger than a bucket: a one-off buffer
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            return self._alloc(nbytes, self.device)
         while True:
             try:
                 buf = self._free.get(timeout=0.5)
                 break
             except queue.Empty:
                 if not alive():
-                    return torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        return buf if buf is not None else torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+                    return self._alloc(self.nbytes, self.device)
+        return buf if buf is not None else self._alloc(self.nbytes, self.device)
 
     def release(self, buf: torch.Tensor | None) -> None:
         if buf is not None and buf.numel() == self.nbytes and buf.device == self.device:
@@ -183,6 +202,7 @@ class _Attempt:
         self.adapter = adapter  # a LoRA adapter update: buckets go to /load_lora_adapter_from_distributed
         cfg = sender.config
         self.flattened = cfg.resolved_load_format(sender.backend) == "flattened_bucket"
+        self.by_handle = cfg.transport == "tensor"  # colocated: /update_weights_from_tensor, no broadcast
         self.bucket_bytes = max(1, int(cfg.bucket_mb * 2**20))
         self.builder = BucketBuilder(self.bucket_bytes)
         self.queue: queue.Queue[Bucket | None] = queue.Queue(maxsize=1)
@@ -192,7 +212,8 @@ class _Attempt:
         self.bytes = 0
         self.buckets = 0
         self.depth = cfg.pipeline_depth
-        self.outstanding: deque[tuple[dict[str, Future[Reply]], int]] = deque()  # sent, not yet confirmed
+        # Sent, not yet confirmed: the replies, the bytes, and (by handle) the buffer engines read until they reply.
+        self.outstanding: deque[tuple[dict[str, Future[Reply]], int, torch.Tensor | None]] = deque()
         self.thread = threading.Thread(target=self._run, name="weight-sync-send", daemon=True)
         self.thread.start()
 
@@ -217,14 +238,15 @@ class _Attempt:
     def _put(self, bucket: Bucket | None) -> None:
         if bucket is not None and self.failed:
             return  # the attempt already failed: keep gathering (all ranks must) but ship nothing
-        if bucket is not None and self.flattened:
-            if len(bucket.tensors) == 1:  # one contiguous tensor: its bytes are the payload, no copy
+        if bucket is not None and (self.flattened or self.by_handle):
+            if len(bucket.tensors) == 1 and not self.by_handle:  # one contiguous tensor: its bytes, no copy
                 bucket.flat = bucket.tensors[0].view(-1).view(torch.uint8)
-            else:  # packed here, overlapping the previous bucket's broadcast, into a pooled buffer
+            else:  # packed here, overlapping the previous bucket's broadcast, into a pooled buffer (by handle:
+                # always, so that engines map the sender's buffer, never a model tensor)
                 pool = self.sender.pool(self.bucket_bytes, bucket.tensors[0].device)
                 bucket.storage = pool.acquire(bucket.nbytes, self.thread.is_alive)
                 bucket.flat = flatten_into(bucket.tensors, bucket.storage)
-            bucket.tensors = []
+            bucket.tensors = [] if self.flattened else [t for _, t in unflatten(bucket.flat, bucket.metas)]
         while self.thread.is_alive():
             try:
                 self.queue.put(bucket, timeout=0.5)
@@ -258,20 +280,17 @@ class _Attempt:
     def _prepare(self) -> None:
         """Pause every member not yet paused, then open a session where the server has sessions."""
         s = self.sender
+        # No adapter endpoint takes handles: refuse before pausing anything.
+        if self.adapter is not None and self.by_handle:
+            self.error = "lora_sync = 'adapter' needs transport = 'distributed'; use 'merged' when colocated"
+            return
         if self.adapter is not None:  # before pausing: an engine that cannot take the adapter keeps serving
             self._probe_adapter_endpoint()
             if self.failures:
                 return
-        to_pause = [e.url for e in self.members if e.url not in s.paused]
         if s.pause_started is None:
             s.pause_started = time.perf_counter()
-        for url, reply in s.http.call_all(
-            to_pause, protocol.PAUSE, protocol.pause_body(s.config.pause_mode)
-        ).items():
-            if reply.ok:
-                s.paused.add(url)
-            else:
-                self.failures[url] = reply
+        self.failures.update(s.pause([e.url for e in self.members], s.config.pause_mode))
         if self.failures:
             return
         to_begin = [
@@ -311,6 +330,9 @@ class _Attempt:
         if self.failed:
             self.sender.release(bucket.storage)
             return
+        if self.by_handle:
+            self._send_handles(bucket)
+            return
         body = protocol.update_distributed_body(
             bucket.metas,
             group_name=cfg.group_name,
@@ -329,16 +351,33 @@ class _Attempt:
         futures = {e.url: s.http.submit(e.url, path, body) for e in self.members}
         payload = [bucket.flat] if self.flattened else bucket.tensors
         works = [s.group.broadcast(t, async_op=True) for t in payload]
-        self.outstanding.append((futures, bucket.nbytes))
+        self.outstanding.append((futures, bucket.nbytes, None))
         if self._wait_broadcast(works, payload):
             self.sender.release(bucket.storage)
         else:
             self.sender.forget(bucket.storage)
 
+    def _send_handles(self, bucket: Bucket) -> None:
+        """Colocated: one ``update_weights_from_tensor`` per engine, whose payload names the packed buffer (a CUDA
+        IPC handle, or a shared-memory file on CPU), serialized once per engine rank (rank r reads element r).
+        Nothing is copied here; the buffer stays alive, and out of the pool, until every engine has replied."""
+        s, cfg = self.sender, self.sender.config
+        payload = tensor_transport.bucket_payload(bucket.flat, bucket.metas, self.flattened)
+        futures = {}
+        for engine in self.members:
+            body = protocol.update_tensor_body(
+                [tensor_transport.serialize(payload) for _ in range(engine.ranks)],
+                flush_cache=cfg.flush(),
+                weight_version=str(self.version),
+                load_format="flattened_bucket" if self.flattened else None,
+            )
+            futures[engine.url] = s.http.submit(engine.url, protocol.UPDATE_TENSOR, body)
+        self.outstanding.append((futures, bucket.nbytes, bucket.storage))
+
     def _confirm(self, keep: int) -> None:
         """Collect replies, oldest bucket first, until at most ``keep`` buckets are unconfirmed."""
         while len(self.outstanding) > keep:
-            futures, nbytes = self.outstanding.popleft()
+            futures, nbytes, storage = self.outstanding.popleft()
             confirmed = True
             for url, fut in futures.items():
                 reply = wait_reply(fut, self.sender.config.timeout_s)
@@ -348,10 +387,12 @@ class _Attempt:
             if confirmed:
                 self.bytes += nbytes
                 self.buckets += 1
+            if storage is not None:  # by handle: an engine that did not answer may still read it
+                (self.sender.release if confirmed else self.sender.forget)(storage)
 
     def _engine_failed(self) -> bool:
         return any(
-            f.done() and not f.result().ok for futures, _ in self.outstanding for f in futures.values()
+            f.done() and not f.result().ok for futures, _, _ in self.outstanding for f in futures.values()
         )
 
     def _wait_broadcast(self, works: list, payload: list) -> bool:
@@ -415,11 +456,27 @@ class WeightSender:
         # Broadcasts given up on, with their buffers: gloo may still read them until the peer goes away.
         self._abandoned: list[tuple[list, list]] = []
         self._pool: BufferPool | None = None
+        # Transport "tensor": this attempt's buffers that travel by handle, and the tags the last sleep released.
+        self._shared: tensor_transport.SharedBuffers | None = None
+        self._asleep: list[str] | None = None
 
     def pool(self, bucket_bytes: int, device: torch.device) -> BufferPool:
-        if self._pool is None or (self._pool.nbytes, self._pool.device) != (bucket_bytes, device):
-            self._pool = BufferPool(bucket_bytes, device)
+        by_handle = self.config.transport == "tensor"
+        stale = self._pool is None or (self._pool.nbytes, self._pool.device) != (bucket_bytes, device)
+        if stale or by_handle != (self._shared is not None):  # plain buffers must never travel by handle
+            alloc = None
+            if by_handle:
+                self._shared = self._shared or tensor_transport.SharedBuffers()
+                alloc = self._shared.empty
+            self._pool = BufferPool(bucket_bytes, device, alloc=alloc)
         return self._pool
+
+    def _drop_shared(self) -> None:
+        """After an attempt by handle (every engine answered or was given up on): unlink the buffers' names, so a
+        receiver killed while holding one leaves nothing in /dev/shm, and start the next attempt with new ones."""
+        if self._shared is not None:
+            self._shared.close()
+            self._shared, self._pool = None, None
 
     def release(self, buf: torch.Tensor | None) -> None:
         if self._pool is not None:
@@ -438,6 +495,11 @@ class WeightSender:
     @property
     def healthy(self) -> list[EngineSpec]:
         return [e for e in self.engines if e.url not in self.quarantined]
+
+    @property
+    def connected(self) -> bool:
+        """A group is built (transport distributed), or the members are known (tensor: there is no group)."""
+        return self.group is not None if self.config.transport == "distributed" else bool(self.members)
 
     def connect(self) -> dict[str, str]:
         """(Re)build the group with every engine not quarantined; returns the engines quarantined on the way.
@@ -484,6 +546,10 @@ class WeightSender:
         if not members:
             return {}
         cfg = self.config
+        if cfg.transport == "tensor":  # colocated: no process group; every bucket names its own memory
+            self.members = list(members)
+            log.info("colocated weight sync (by handle): %d engines", len(members))
+            return {}
         # A group of this name that an engine still holds is the leftover of a learner that died (the engine
         # would refuse to join a second one): destroy it first. "Does not exist" is the usual answer.
         self.http.call_all(
@@ -531,6 +597,7 @@ class WeightSender:
 
     def _teardown_group(self) -> None:
         if self.group is None:
+            self.members = []  # already empty unless the members had no group (transport tensor)
             return
         urls = [e.url for e in self.members if e.url not in self.quarantined]
         self.http.call_all(urls, protocol.DESTROY_GROUP, protocol.destroy_group_body(self.config.group_name))
@@ -594,7 +661,7 @@ class WeightSender:
             self._forget(url)
         if silent:
             self._quarantine(silent)
-        if back or silent or (self.group is None and self.healthy):
+        if back or silent or (not self.connected and self.healthy):
             self.connect()
         return back
 
@@ -629,13 +696,14 @@ class WeightSender:
     # ------------------------------------------------------------------------------------- per update
 
     def start_attempt(self, version: int, adapter: LoraSpec | None = None) -> _Attempt:
-        if self.group is None and self.healthy:
+        if not self.connected and self.healthy:
             self.connect()
         return _Attempt(self, version, adapter)
 
     def finish_attempt(self, attempt: _Attempt, state: _SyncState) -> bool:
         """Close an attempt; returns True when the model must be sent again (after a rebuild)."""
         attempt.finish()
+        self._drop_shared()
         state.attempts += 1
         state.bytes += attempt.bytes
         state.buckets += attempt.buckets
@@ -717,10 +785,61 @@ class WeightSender:
         self.connect()
         return url not in self.quarantined
 
+    # ------------------------------------------------------------------------ sleep and wake (colocated)
+
+    def sleep(self, tags: Sequence[str] | None = ("kv_cache",)) -> dict[str, str]:
+        """Colocated mode, before the learner trains: pause every healthy engine and release the memory of ``tags``
+        (``/release_memory_occupation``; None: all, weights included). The pause is always ``abort``: a release
+        needs an idle engine (SGLang asserts it), and the rollout workers resubmit what was aborted.
+
+        Engines stay paused until the ``sync_weights`` after :meth:`wake` continues them. One that fails is
+        quarantined (it stays paused; ``rejoin`` brings it back once it answers). Returns those ``{url: why}``."""
+        body = protocol.memory_body(list(tags) if tags is not None else None)
+        failures = {
+            u: f"{protocol.PAUSE}: {r.describe()}" for u, r in self.pause(self._urls(), "abort").items()
+        }
+        ok = [url for url in self._urls() if url not in failures]
+        for url, reply in self.http.call_all(ok, protocol.RELEASE_MEMORY, body).items():
+            if reply.status != 200:
+                failures[url] = f"{protocol.RELEASE_MEMORY}: {reply.describe()}"
+        self._asleep = list(tags) if tags is not None else list(protocol.MEMORY_TAGS)
+        self._quarantine(failures)
+        return failures
+
+    def wake(self, tags: Sequence[str] | None = None) -> dict[str, str]:
+        """After training, before ``sync_weights``: ``/resume_memory_occupation`` of ``tags`` (default: what
+        :meth:`sleep` released) on every healthy engine. They stay paused; the sync brings the new weights (a
+        released ``weights`` tag reads zeros until then) and continues them. Failures are quarantined."""
+        tags = list(tags) if tags is not None else self._asleep
+        body = protocol.memory_body(tags)
+        failures = {
+            url: f"{protocol.RESUME_MEMORY}: {reply.describe()}"
+            for url, reply in self.http.call_all(self._urls(), protocol.RESUME_MEMORY, body).items()
+            if reply.status != 200
+        }
+        self._asleep = None
+        self._quarantine(failures)
+        return failures
+
+    def _urls(self) -> list[str]:
+        return [e.url for e in self.healthy]
+
+    def pause(self, urls: Iterable[str], mode: str) -> dict[str, Reply]:
+        """``/pause_generation`` on each of ``urls`` not yet paused by this sender; returns the failed replies."""
+        todo = [url for url in urls if url not in self.paused]
+        failures = {}
+        for url, reply in self.http.call_all(todo, protocol.PAUSE, protocol.pause_body(mode)).items():
+            if reply.ok:
+                self.paused.add(url)
+            else:
+                failures[url] = reply
+        return failures
+
     def close(self) -> None:
         """Destroy the group on the engines and here; close HTTP. Engines are left generating."""
         try:
             self._teardown_group()
+            self._drop_shared()
         finally:
             self.http.close()
 

@@ -8,7 +8,9 @@ on the scheduler thread between steps (``call_in_scheduler``), so a weight load 
 - ``engine.load_weights(named_tensors, weight_version=None)``: copy full tensors in by HF name;
 - ``engine.set_weight_version(label)``: the label later tokens carry in ``meta_info.weight_versions``;
 - ``engine.get_weights_by_name(name, truncate_size)``: what SGLang's test endpoint returns;
-- ``engine.call_in_scheduler(fn, timeout)``: run anything else (a broadcast receive) between steps.
+- ``engine.call_in_scheduler(fn, timeout)``: run anything else (a broadcast receive) between steps;
+- ``engine.release_memory(tags)`` / ``engine.resume_memory(tags)``: sleep and wake (colocated mode,
+  :mod:`rollout_fleet.engine.memory`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rollout_fleet.engine.memory import WeightMemory, trim_heap
 from rollout_fleet.engine.protocol import GenItem
 from rollout_fleet.engine.runner import ModelRunner
 from rollout_fleet.engine.scheduler import Scheduler, Sink
@@ -90,6 +93,10 @@ def default_total_tokens(
     except (ValueError, OSError):  # no such sysconf name on this platform: no cap
         return wanted
     return max(1024, min(wanted, free // 2 // bytes_per_token))
+
+
+class EngineBusy(ValueError):
+    """A control call the engine refuses in its current state (requests running, memory released)."""
 
 
 class Engine:
@@ -166,6 +173,7 @@ class Engine:
         # LoRA adapters are merged into the served weights from a copy of each adapted base weight.
         self.adapters = AdapterApplier(self._param_by_name)
         self.lora_names: list[str] = []  # adapters loaded by name, newest last (SGLang's /load_lora_adapter)
+        self.weight_memory = WeightMemory(self.model)
         log.info(
             "loaded %s (%s, %.2fM parameters) on %s as %s in %.1f s; context %d tokens; KV cache %d tokens "
             "in blocks of %d (%.0f MiB at most)",
@@ -232,6 +240,54 @@ class Engine:
     def weight_version(self) -> str:
         return self.scheduler.weight_version
 
+    # -- sleep and wake (colocated mode) -----------------------------------------------------------------
+
+    @property
+    def memory_released(self) -> list[str]:
+        """The memory tags released now (``kv_cache``, ``weights``, ``cuda_graph``), sorted."""
+        return sorted(self.scheduler.released)
+
+    def release_memory(self, tags: Iterable[str], timeout: float) -> None:
+        """Free the memory of ``tags`` between steps. Raises ``EngineBusy`` unless no request is running or
+        queued (SGLang asserts the same: it would free memory a request is using)."""
+        tags = list(tags)
+
+        def release() -> None:
+            busy = self.scheduler.ongoing()
+            if busy:
+                raise EngineBusy(
+                    f"release_memory_occupation should be called only when no ongoing request: {busy} (pause "
+                    "generation with mode abort first)"
+                )
+            if "kv_cache" in tags:
+                self.runner.cache.release()
+            if "weights" in tags:
+                self.weight_memory.release()
+            self.scheduler.released.update(tags)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # back to the device, for the learner to use
+            else:
+                trim_heap()
+
+        self.call_in_scheduler(release, timeout)
+
+    def resume_memory(self, tags: Iterable[str], timeout: float) -> None:
+        """Allocate the memory of ``tags`` again: an empty KV pool, zero weights (until the next update)."""
+        tags = list(tags)
+
+        def resume() -> None:
+            if "kv_cache" in tags:
+                self.runner.cache.resume()
+            if "weights" in tags:
+                self.weight_memory.resume()
+            self.scheduler.released.difference_update(tags)
+
+        self.call_in_scheduler(resume, timeout)
+
+    def _check_weights_held(self, what: str) -> None:
+        if self.weight_memory.released:
+            raise EngineBusy(f"{what}: the weights are released; call /resume_memory_occupation first")
+
     def set_weight_version(self, label: str, timeout: float = 60.0) -> None:
         self.call_in_scheduler(lambda: self.scheduler.set_weight_version(label), timeout)
 
@@ -247,6 +303,7 @@ class Engine:
         tensors = list(named_tensors)
 
         def load() -> int:
+            self._check_weights_held("load_weights")
             for name, tensor in tensors:
                 self._check_tensor(name, tensor)
             try:
@@ -308,6 +365,7 @@ class Engine:
         """The parameter as float32 nested lists, first ``truncate_size`` rows (SGLang's test endpoint)."""
         if name not in self._param_by_name:
             raise KeyError(f"unknown parameter name {name!r}")
+        self._check_weights_held("get_weights_by_name")
         return self._param_by_name[name].detach()[:truncate_size].float().cpu().tolist()
 
     # -- introspection ----------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import array
 import collections
 import heapq
 import math
+import mmap
 from collections.abc import Sequence
 
 import torch
@@ -193,7 +194,12 @@ class PagedKVCache:
 
     The tensors are allocated uninitialised; a block is zeroed the first time it is handed out, so on CPU the
     pages of never-used blocks are never touched (the OS commits memory as the KV grows) and no read of a
-    masked-out slot can meet a non-finite value (``0 * NaN`` would poison an attention row)."""
+    masked-out slot can meet a non-finite value (``0 * NaN`` would poison an attention row).
+
+    Sleep and wake (SGLang's ``release_memory_occupation`` tag ``kv_cache``): :meth:`release` frees the pool and
+    :meth:`resume` allocates it again, empty. On CPU the pool is one anonymous ``mmap`` of its own, not a heap
+    allocation, so that a release really returns its pages to the OS (glibc keeps freed heap memory below its
+    dynamic mmap threshold, up to 32 MiB a block, for reuse; the resident size would not fall)."""
 
     def __init__(
         self,
@@ -209,14 +215,46 @@ class PagedKVCache:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.block_size = block_size
         self.dtype, self.device = dtype, device
-        shape = (num_blocks, kv_heads, block_size, head_dim)
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.shape = (num_blocks, kv_heads, block_size, head_dim)
         self.allocator = BlockAllocator(num_blocks, block_size)
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self._gathered: list[torch.Tensor] = []
+        self._zeroed = 0  # blocks [0, _zeroed) have been written at least once
+        self.resume()
+
+    @property
+    def released(self) -> bool:
+        return not self.k
+
+    @property
+    def pool_bytes(self) -> int:
+        """The pool's size: keys and values of every layer (what a release frees)."""
+        return 2 * self.num_layers * math.prod(self.shape) * self.dtype.itemsize
+
+    def _allocate(self) -> list[torch.Tensor]:
+        count = 2 * self.num_layers
+        if self.device.type != "cpu":
+            return [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in range(count)]
+        region = mmap.mmap(-1, self.pool_bytes)  # anonymous, private: pages committed on first write
+        pool = torch.frombuffer(region, dtype=self.dtype).view(count, *self.shape)
+        return list(pool.unbind(0))  # the region is unmapped when the last of these views dies
+
+    def release(self) -> None:
+        """Free the pool (no request may hold blocks): every block is free again and the prefix cache empty."""
+        self.allocator.reset()
+        self.k, self.v, self._gathered = [], [], []
+        self._zeroed = 0
+
+    def resume(self) -> None:
+        """Allocate the pool again (a no-op while it is allocated); its contents start undefined, as at start."""
+        if not self.released:
+            return
+        tensors = self._allocate()
+        self.k, self.v = tensors[0::2], tensors[1::2]
         # Gathered keys / values of one layer, reused by the next: a fresh multi-megabyte tensor per layer and
         # step costs page faults that take longer than the copy itself.
-        self._gathered = [torch.empty(0, dtype=dtype, device=device) for _ in range(2)]
-        self._zeroed = 0  # blocks [0, _zeroed) have been written at least once
+        self._gathered = [torch.empty(0, dtype=self.dtype, device=self.device) for _ in range(2)]
         self._zero_upto(NULL_BLOCK + 1)
 
     @property

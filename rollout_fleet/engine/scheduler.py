@@ -201,6 +201,9 @@ class Scheduler:
         # (id of the queue head, blocks available) when it last had to wait for memory
         self._blocked: tuple[int, int] | None = None
         self.paused_mode: str | None = None  # "retract" or "in_place" while the scheduler itself is paused
+        # Memory tags released by /release_memory_occupation (rollout_fleet.engine.memory); requests are refused
+        # while "kv_cache" or "weights" is among them.
+        self.released: set[str] = set()
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future | None]] = queue.SimpleQueue()
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._batch: sampler.SamplingBatch | None = None
@@ -356,6 +359,15 @@ class Scheduler:
     # -- admission and prefill ----------------------------------------------------------------------------
 
     def _enqueue(self, req: Request) -> None:
+        missing = sorted(self.released & {"kv_cache", "weights"})
+        if missing:
+            # SGLang would run on freed memory; here the request is answered at once, with the reason.
+            message = (
+                f"the engine's memory is released ({', '.join(missing)}): call /resume_memory_occupation (and "
+                "update the weights) before generating"
+            )
+            self._finish(req, finish_abort(message, 503, "ServiceUnavailableError"))
+            return
         seed = req.item.params.sampling_seed
         if seed is not None:
             req.generator = sampler.make_generator(seed, self.device)
@@ -794,6 +806,13 @@ class Scheduler:
             return False
         self.allocator.clear_cache()
         return True
+
+    def ongoing(self) -> str:
+        """What keeps the engine from being idle (scheduler thread): '' when no request is admitted or queued."""
+        admitted = self._admitted_count()
+        if not admitted and not self.waiting:
+            return ""
+        return f"{admitted} requests running, {len(self.waiting)} waiting"
 
     def invalidate_prefix_cache(self) -> None:
         """The weights changed (scheduler thread): no KV computed before may be found by a later request.

@@ -35,7 +35,8 @@ from aiohttp import web
 
 from broker.prometheus import metrics_route
 from rollout_fleet.engine import openai_api, protocol
-from rollout_fleet.engine.core import Engine
+from rollout_fleet.engine.core import Engine, EngineBusy
+from rollout_fleet.engine.memory import resident_bytes
 from rollout_fleet.engine.protocol import (
     HEALTH_CHECK_RID_PREFIX,
     ContractError,
@@ -46,6 +47,7 @@ from rollout_fleet.engine.protocol import (
     SamplingParams,
 )
 from rollout_fleet.engine.scheduler import PAUSE_MODES
+from weight_sync import protocol as wsp
 
 log = logging.getLogger("streamrl.engine.server")
 
@@ -188,6 +190,8 @@ class EngineServer:
         add("POST", "/update_weight_version", self.update_weight_version)
         for method in ("GET", "POST"):
             add(method, "/flush_cache", self.flush_cache)
+            add(method, "/release_memory_occupation", self.release_memory_occupation)
+            add(method, "/resume_memory_occupation", self.resume_memory_occupation)
         add("GET", "/metrics", metrics_route("engine", self.metrics_values))
         for extend in extensions:
             extend(app, self)
@@ -532,6 +536,10 @@ class EngineServer:
                 "device": str(engine.device),
                 "dtype": str(engine.dtype).removeprefix("torch."),
                 "weight_version": engine.weight_version,
+                "memory_released": engine.memory_released,
+                "kv_pool_bytes": engine.runner.cache.pool_bytes,
+                "weights_bytes": engine.weight_memory.nbytes,
+                "resident_bytes": resident_bytes(),
                 "max_total_num_tokens": engine.max_total_tokens,
                 "chunked_prefill_size": engine.chunked_prefill_size,
                 "page_size": engine.kv_block_size,
@@ -668,6 +676,50 @@ class EngineServer:
             f"{load['num_waiting_reqs']} waiting.\n"
         )
         return web.Response(text=text, status=400, content_type="text/plain")
+
+    # -- sleep and wake (colocated mode, rollout_fleet.engine.memory) --------------------------------------------
+
+    async def _memory_tags(self, request: web.Request) -> tuple[str, ...]:
+        body = await self.control_body(request, {"tags": list})
+        try:
+            return wsp.parse_memory_tags(body, request.path)
+        except ValueError as exc:
+            raise ValidationFailure(
+                f"[{{'type': 'literal_error', 'loc': ('body', 'tags'), 'msg': {str(exc)!r}}}]"
+            ) from None
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        """Section 4: free the memory of ``tags`` (null: all); 200 ``null``. Refused (400) unless idle: SGLang
+        asserts that no request is ongoing. Requests that arrive while paused wait at the pause gate, as on
+        SGLang; without a pause, or after ``/continue_generation``, they are refused until a resume."""
+        try:
+            tags = await self._memory_tags(request)
+        except ValidationFailure as exc:
+            return validation_response(str(exc))
+        if self.live_rids or self.update_lock.readers:
+            return error_response(
+                "release_memory_occupation should be called only when no ongoing request: "
+                f"{len(self.live_rids)} requests in flight (pause generation with mode abort first)"
+            )
+        try:
+            await asyncio.to_thread(self.engine.release_memory, tags, self.settings.control_timeout_s)
+        except (EngineBusy, TimeoutError) as exc:
+            return error_response(str(exc) or "the scheduler did not release memory in time")
+        log.info("memory released: %s", ", ".join(tags))
+        return json_response(None)
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        """Section 4: allocate the memory of ``tags`` (null: all) again; 200 ``null``."""
+        try:
+            tags = await self._memory_tags(request)
+        except ValidationFailure as exc:
+            return validation_response(str(exc))
+        try:
+            await asyncio.to_thread(self.engine.resume_memory, tags, self.settings.control_timeout_s)
+        except TimeoutError:
+            return error_response("the scheduler did not resume memory in time")
+        log.info("memory resumed: %s", ", ".join(tags))
+        return json_response(None)
 
     # -- shutdown ------------------------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """The built-in engine's weight-update endpoints: SGLang's protocol on top of ``weight_sync.WeightReceiver``.
 
-Routes: ``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/begin_weight_update``,
+Routes: ``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/update_weights_from_tensor``
+(colocated: the buckets arrive as shared-memory or CUDA IPC handles), ``/begin_weight_update``,
 ``/end_weight_update``, ``/destroy_weights_update_group`` and streamrl's ``/load_lora_adapter_from_distributed``
 (from ``weight_sync.engine_routes``), plus the engine's own ``/update_weights_from_disk``, SGLang's
 ``/load_lora_adapter`` and ``/unload_lora_adapter`` (a PEFT directory; docs/lora.md), ``/get_weights_by_name``
@@ -121,6 +122,9 @@ def weight_sync_extension(timeout_s: float = 300.0):  # noqa: ANN201 - an Extens
             return web.json_response(values)
 
         async def checksum(request: web.Request) -> web.Response:
+            if engine.weight_memory.released:
+                message = "the weights are released; call /resume_memory_occupation first"
+                return web.json_response({"success": False, "message": message}, status=400)
             named = [(n, p.detach()) for n, p in engine.model.named_parameters()]
             digest = await asyncio.to_thread(weights_checksum, named)
             return web.json_response({"success": True, "message": "Success.", "checksum": digest})
