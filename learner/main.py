@@ -52,7 +52,7 @@ def run_rank(cfg: LearnerSections) -> int:
         print(f"streamrl learner: {exc}", file=sys.stderr, flush=True)
         os._exit(2)  # a configuration error (CONFIG_ERROR_EXIT): restarting cannot help
     url = resolve_redis_url(cfg.shared, wait_s=30)
-    ws = cfg.weight_sync
+    ws = cfg.weight_sync.for_placement(cfg.shared.placement, cfg.shared.eta)
     if ws.engines == "none":
         publisher = VersionOnlyPublisher()
     else:

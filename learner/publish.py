@@ -44,6 +44,12 @@ class VersionOnlyPublisher:
     def publish(self, model: nn.Module, version: int, initial: bool) -> Publication:
         return Publication(announce=True)
 
+    def before_train(self) -> None:
+        pass
+
+    def after_train(self, model: nn.Module, version: int) -> None:
+        pass
+
     def wants_resync(self) -> bool:
         return False
 
@@ -75,6 +81,7 @@ class WeightSyncPublisher:
         self.config = config
         self.engines = engines
         self.sender: WeightSender | None = None
+        self._sleep_seconds = 0.0  # the latest before_train's pause and release
         if is_main and engines is not None:
             members = self._wait_for_engines(wait_for_engines_s)
             self.sender = WeightSender(members, config)
@@ -100,11 +107,40 @@ class WeightSyncPublisher:
             log.info("engine membership changed: %s -> %s; rebuilding the update group", known, current)
             self.sender.set_engines(current)  # rebuilds the group with the engines present
 
+    def before_train(self) -> None:
+        """Colocated (``weight_sync.transport = tensor``): before a step trains, the engines pause and release
+        ``weight_sync.release_memory`` (their KV pool by default), so the learner has the device to itself."""
+        if self.sender is None or not self.config.sleeps:
+            return
+        started = time.perf_counter()
+        failed = self.sender.sleep(self.config.release_memory)
+        self._sleep_seconds = time.perf_counter() - started
+        if failed:
+            log.error("engines that could not release their memory (quarantined): %s", failed)
+
+    def after_train(self, model: nn.Module, version: int) -> None:
+        """Colocated, after a step that publishes nothing (skipped, or between two ``publish_every``): the engines
+        get back what :meth:`before_train` took. Released weights are sent again (every rank gathers); else the
+        memory is resumed and generation continues on the unchanged weights."""
+        if not self.config.sleeps:
+            return
+        if "weights" in self.config.release_memory:
+            self.publish(model, version, initial=False)
+            return
+        if self.sender is not None:
+            self.sender.wake(self.config.release_memory)
+            self.sender.continue_generation()
+
     def publish(self, model: nn.Module, version: int, initial: bool) -> Publication:
         if initial:
             return Publication(announce=True)  # engines start from the same weights, labelled "0"
         rejoined: dict[str, str] = {}
+        wake_seconds = 0.0
         if self.sender is not None:
+            if self.config.sleeps:  # memory back first (a no-op where it is not released: a learner restart)
+                started = time.perf_counter()
+                self.sender.wake(self.config.release_memory)
+                wake_seconds = time.perf_counter() - started
             self._refresh_membership()
             rejoined = self.sender.rejoin()
         result = sync_weights(model, version, self.sender, lora_sync=self.config.lora_sync)
@@ -133,6 +169,11 @@ class WeightSyncPublisher:
                 "sync_engines_failed": float(len(result.engines_failed)),
                 "sync_engines_quarantined": float(len(result.quarantined)),
                 "sync_engines_rejoined": float(len(rejoined)),
+                **(
+                    {"colocated_sleep_seconds": self._sleep_seconds, "colocated_wake_seconds": wake_seconds}
+                    if self.config.sleeps
+                    else {}
+                ),
             },
         )
 

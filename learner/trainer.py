@@ -58,6 +58,10 @@ class Publisher(Protocol):
 
     def publish(self, model: nn.Module, version: int, initial: bool) -> Publication: ...
 
+    def before_train(self) -> None: ...  # colocated: engines release their memory while a step trains
+
+    def after_train(self, model: nn.Module, version: int) -> None: ...  # a step that published nothing
+
     def wants_resync(self) -> bool: ...
 
     def close(self) -> None: ...
@@ -480,6 +484,8 @@ class Learner:
 
     def _train(self, payload: StepPayload) -> None:
         updates = [u.to(self.info.device) for u in payload.updates]
+        self.publisher.before_train()
+        published = False
         result = train_batch(
             self.model,
             self.optimizer,
@@ -498,8 +504,11 @@ class Learner:
             if self.step % self.config.publish_every == 0:
                 self.version += 1
                 self._publish(initial=False)
+                published = True
             if self.config.snapshot_every and self.step % self.config.snapshot_every == 0:
                 self._snapshot()
+        if not published:
+            self.publisher.after_train(self.model, self.version)
         if self.info.is_main:
             self._log_step(result.metrics, result.applied)
 

@@ -212,8 +212,22 @@ class StreamRLConfig(Section):
                 "shared.placement = 'colocated' with up.launcher = 'ray': colocated engines and learner ranks "
                 "share GPUs on one node; run it with up.launcher = 'local' on that node (docs/devices.md)"
             )
-        # SGLang's adapter path reads what the learner writes: without a directory the first sync would fail.
+        # Colocated engines that release their memory while a step trains cannot generate meanwhile: a staleness
+        # bound above 0 promises that they do. Handles carry full tensors, not adapters.
         sync = self.weight_sync
+        resolved = sync.for_placement(self.shared.placement, self.shared.eta)
+        if resolved.sleeps and self.shared.eta >= 1:
+            raise ValueError(
+                f"weight_sync.release_memory = {sync.release_memory} with shared.eta = {self.shared.eta}: colocated "
+                "engines that release memory while the learner trains cannot generate meanwhile; set "
+                "weight_sync.release_memory = [] (both resident) or shared.eta = 0 (alternation)"
+            )
+        if resolved.transport == "tensor" and self.learner.lora.enabled and sync.lora_sync == "adapter":
+            raise ValueError(
+                "weight_sync.lora_sync = 'adapter' with the tensor transport (colocated): no engine endpoint "
+                "takes adapter tensors by handle; use 'merged' or 'adapter_path'"
+            )
+        # SGLang's adapter path reads what the learner writes: without a directory the first sync would fail.
         if self.learner.lora.enabled and sync.lora_sync == "adapter_path" and not sync.adapter_dir:
             raise ValueError(
                 "weight_sync.lora_sync = 'adapter_path' with learner.lora.rank = "

@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from streamrl.config import StreamRLConfig
 
 PLACEMENTS = ("disaggregated", "colocated")
+# The most of a shared GPU a colocated engine that never releases its memory may take (TRL's colocate mode
+# splits a GPU the same way): the learner's weights, gradients, optimizer state and activations need the rest.
+COLOCATED_RESIDENT_FRACTION = 0.5
 PLAN_FILE = "devices.json"
 CPU = "cpu"
 
@@ -203,6 +206,19 @@ def plan_for(cfg: StreamRLConfig, detect: Callable[[], list[str]] | None = None)
         cfg.engine.count,
         engine_ranks(cfg.engine),
     )
+    sync = cfg.weight_sync.for_placement(cfg.shared.placement, cfg.shared.eta)
+    if plan.on_gpu and plan.placement == "colocated":
+        if sync.transport == "distributed":
+            raise ConfigError(
+                "weight_sync.transport = 'distributed' with shared.placement = 'colocated' on GPUs: NCCL refuses "
+                "two ranks of one group on one GPU; use transport auto or tensor"
+            )
+        if not sync.release_memory and cfg.engine.mem_fraction_static > COLOCATED_RESIDENT_FRACTION:
+            raise ConfigError(
+                f"engine.mem_fraction_static = {cfg.engine.mem_fraction_static} with colocated engines that keep "
+                f"their memory (weight_sync.release_memory = [], shared.eta = {cfg.shared.eta}): the learner shares "
+                f"that GPU; give the engine at most {COLOCATED_RESIDENT_FRACTION} of it, or release memory at eta 0"
+            )
     device = cfg.engine.device
     if plan.on_gpu and device.startswith("cuda:") and device != "cuda:0":
         raise ConfigError(

@@ -134,6 +134,8 @@ def resolve(config: StreamRLConfig) -> StreamRLConfig:
     cfg.rollout.engine_urls = urls
     cfg.weight_sync.engine_urls = urls
     cfg.weight_sync.engine_ranks = engine_ranks(cfg.engine)
+    # transport and memory release as the placement and eta decide, written out for every role to read
+    cfg.weight_sync = cfg.weight_sync.for_placement(cfg.shared.placement, cfg.shared.eta)
     if (
         cfg.rollout.router == "sglang"
         and not cfg.rollout.sglang_router_url

@@ -206,3 +206,32 @@ def test_colocated_on_a_ray_cluster_is_refused_by_the_config() -> None:
     with pytest.raises(ConfigError, match=r"shared\.placement = 'colocated' with up\.launcher = 'ray'"):
         load(["--shared.placement=colocated", "--up.launcher=ray"])
     assert load(["--shared.placement=colocated"]).shared.placement == "colocated"
+
+
+def test_colocated_transport_and_memory_release_follow_placement_and_eta() -> None:
+    from streamrl.config import load
+
+    cfg = load(["--shared.placement=colocated", "--shared.eta=0"])
+    sync = cfg.weight_sync.for_placement(cfg.shared.placement, cfg.shared.eta)
+    assert (sync.transport, sync.release_memory, sync.sleeps) == ("tensor", ["kv_cache"], True)
+    cfg = load(["--shared.placement=colocated"])  # eta 1: engines generate while the learner trains
+    sync = cfg.weight_sync.for_placement(cfg.shared.placement, cfg.shared.eta)
+    assert (sync.transport, sync.release_memory, sync.sleeps) == ("tensor", [], False)
+    sync = load([]).weight_sync.for_placement("disaggregated", 1)
+    assert (sync.transport, sync.sleeps) == ("distributed", False)
+    with pytest.raises(ConfigError, match=r"release_memory = \['kv_cache'\] with shared\.eta = 2"):
+        load(["--shared.placement=colocated", "--shared.eta=2", '--weight_sync.release_memory=["kv_cache"]'])
+    with pytest.raises(ConfigError, match=r"lora_sync = 'adapter' with the tensor transport"):
+        load(["--shared.placement=colocated", "--learner.lora.rank=4", "--weight_sync.lora_sync=adapter"])
+
+
+def test_colocated_on_gpus_refuses_nccl_and_an_engine_that_keeps_most_of_the_gpu(tmp_path: Path) -> None:
+    base = {"run_dir": str(tmp_path), "devices": "0,1", "placement": "colocated"}
+    with pytest.raises(ConfigError, match=r"NCCL refuses two ranks of one group on one GPU"):
+        plan_for(config(tmp_path, shared=base, weight_sync={"transport": "distributed"}))
+    with pytest.raises(
+        ConfigError, match=r"engine\.mem_fraction_static = 0\.8 with colocated engines that keep"
+    ):
+        plan_for(config(tmp_path, shared={**base, "eta": 1}))
+    assert plan_for(config(tmp_path, shared={**base, "eta": 1}, engine={"mem_fraction_static": 0.4})).on_gpu
+    assert plan_for(config(tmp_path, shared={**base, "eta": 0})).engines == (("0",), ("1",))

@@ -15,10 +15,15 @@ class WeightSyncConfig(Section):
     group_name: str = Field(
         "weight_update_group", min_length=1, description="Name (and store prefix) of the update group."
     )
-    transport: Literal["distributed", "tensor"] = Field(
-        "distributed",
+    transport: Literal["auto", "distributed", "tensor"] = Field(
+        "auto",
         description="distributed: broadcast over a process group; tensor: colocated, by CUDA IPC / shared-memory "
-        "handle through /update_weights_from_tensor.",
+        "handle through /update_weights_from_tensor; auto: tensor when shared.placement is colocated.",
+    )
+    release_memory: list[Literal["kv_cache", "weights", "cuda_graph"]] | None = Field(
+        None,
+        description="transport tensor (colocated): what engines release while the learner trains; unset: "
+        "kv_cache at shared.eta = 0 (they alternate), nothing at eta >= 1 (both resident, generating meanwhile).",
     )
     bucket_mb: float = Field(256, gt=0, description="Bucket size for the broadcast, MiB (fractions allowed).")
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
@@ -98,6 +103,24 @@ class WeightSyncConfig(Section):
         ge=1,
         description="lora_sync adapter_path: adapter versions kept loaded, so requests started on one finish.",
     )
+
+    def for_placement(self, placement: str, eta: int) -> WeightSyncConfig:
+        """This config with what is left to the run decided: ``transport = auto`` by the device plan's placement
+        (colocated engines share the learner's GPUs, where NCCL cannot join them: weights go by handle), and an
+        unset ``release_memory`` by the staleness bound (at eta 0 engines idle while the learner trains, so they
+        release their KV pool; at eta >= 1 they generate meanwhile and keep it)."""
+        transport = self.transport
+        if transport == "auto":
+            transport = "tensor" if placement == "colocated" else "distributed"
+        release = self.release_memory
+        if release is None:
+            release = ["kv_cache"] if eta == 0 else []
+        return self.model_copy(update={"transport": transport, "release_memory": release})
+
+    @property
+    def sleeps(self) -> bool:
+        """Whether engines release memory while the learner trains (colocated, something to release)."""
+        return self.transport == "tensor" and bool(self.release_memory)
 
     def adapter_name(self, version: int) -> str:
         """The name version ``version``'s adapter is loaded under (SGLang's ``lora_name`` / ``lora_path``)."""

@@ -499,7 +499,7 @@ class WeightSender:
     @property
     def connected(self) -> bool:
         """A group is built (transport distributed), or the members are known (tensor: there is no group)."""
-        return self.group is not None if self.config.transport == "distributed" else bool(self.members)
+        return self.group is not None if self.config.transport != "tensor" else bool(self.members)
 
     def connect(self) -> dict[str, str]:
         """(Re)build the group with every engine not quarantined; returns the engines quarantined on the way.
@@ -818,6 +818,16 @@ class WeightSender:
             if reply.status != 200
         }
         self._asleep = None
+        self._quarantine(failures)
+        return failures
+
+    def continue_generation(self) -> dict[str, str]:
+        """After a step that publishes nothing (its weights unchanged): ``/continue_generation`` on every engine
+        this sender paused. Failures are quarantined; returns them."""
+        urls = [url for url in self._urls() if url in self.paused]
+        replies = self.http.call_all(urls, protocol.CONTINUE, protocol.continue_body())
+        self.paused -= {u for u, r in replies.items() if r.ok}
+        failures = {u: f"{protocol.CONTINUE}: {r.describe()}" for u, r in replies.items() if not r.ok}
         self._quarantine(failures)
         return failures
 

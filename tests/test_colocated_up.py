@@ -1,0 +1,78 @@
+"""`streamrl up --shared.placement=colocated` end to end on the CPU: the engines share the learner's devices, pause
+and release their KV pool while every step trains, get each new policy by handle through
+/update_weights_from_tensor (shared memory here, CUDA IPC on a GPU), and the run loses nothing."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+import redis
+
+from benchmarks.crash_cost import audit, kill, wait_for_step
+from broker.config import SharedConfig
+from broker.metrics import metrics_key
+from tests.test_up import metrics_base_port, up
+
+pytestmark = pytest.mark.timeout(900)
+STEPS = 12
+KILL_ENGINE_AT = 4
+KILL_RANK_AT = 8
+
+
+@pytest.fixture(scope="module")
+def warm_model() -> Path:
+    from rollout_fleet.warmstart import init_warm_model
+
+    return init_warm_model()
+
+
+def learner_points(run_dir: Path) -> list[dict[str, float]]:
+    url = (run_dir / "redis" / "url").read_text().strip()
+    client = redis.Redis.from_url(url, socket_timeout=5, decode_responses=True)
+    try:
+        rows = client.xrange(metrics_key(SharedConfig(), "learner"))
+    finally:
+        client.close()
+    return [{k: float(v) for k, v in fields.items() if k != "ts"} for _, fields in rows]
+
+
+def test_colocated_up_sleeps_the_engines_each_step_updates_by_handle_and_survives_kills(
+    tmp_path: Path, warm_model: Path
+) -> None:
+    """One run: STEPS steps at eta 0; kill -9 of engine-0 at step KILL_ENGINE_AT and of learner rank 1 at step
+    KILL_RANK_AT (the supervisor restarts them: the engine comes back to the current policy by handle, the
+    learner resumes from its checkpoint and wakes engines it left asleep)."""
+    run_dir = tmp_path / "run"
+    proc = up(
+        run_dir, warm_model, metrics_base_port(), "--learner.wandb_mode=disabled", "--eval.heldout_prompts=20",
+        "--shared.placement=colocated", "--shared.eta=0", f"--learner.max_steps={STEPS}",
+        "--learner.checkpoint_every=4", "--eval.every_versions=0",
+    )  # fmt: skip
+    wait_for_step(run_dir, KILL_ENGINE_AT, proc)
+    before_kills = learner_points(run_dir)
+    engine = kill(run_dir, "engine-0")
+    wait_for_step(run_dir, KILL_RANK_AT, proc)
+    rank = kill(run_dir, "learner-rank-1")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    assert not engine.alive() and not rank.alive()
+    assert "device plan (colocated): CPU only" in out
+    assert json.loads((run_dir / "devices.json").read_text())["placement"] == "colocated"
+    sync = tomllib.loads((run_dir / "config.toml").read_text())["weight_sync"]  # what every role read
+    assert (sync["transport"], sync["release_memory"]) == ("tensor", ["kv_cache"])
+    # every published step before the kills: both engines paused and released their KV pool, then took the new
+    # weights by handle; at eta 0, alternating, nothing was generated ahead of the policy it trains
+    steps = [p for p in before_kills if p.get("step_applied") == 1.0]
+    assert len(steps) >= KILL_ENGINE_AT, before_kills
+    for p in steps:
+        assert p["colocated_sleep_seconds"] > 0 and p["colocated_wake_seconds"] > 0, p
+        assert p["sync_engines_ok"] == 2 and p["sync_engines_failed"] == 0, p
+        assert p.get("total/stale", 0) == 0, p  # the counter appears with the first stale drop
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["eval_after_is_final_policy"] is True, summary
+    report = audit(run_dir)
+    assert report["ok"] and report["lost"] == 0 and report["trained_twice"] == 0, report
+    assert report["trained"] == STEPS * 16  # each step's batch counted once, however often it ran
