@@ -154,14 +154,22 @@ def _inline(value: Any) -> str:
     return _scalar(value)
 
 
+def check_composable(cfg: StreamRLConfig) -> None:
+    """A compose file gives each engine and the learner containers of their own GPUs: refuse anything else
+    before the plan's own checks, so the refusal names the placement (the real reason)."""
+    if cfg.shared.placement != "disaggregated":
+        raise ConfigError(
+            f"shared.placement = {cfg.shared.placement!r}: a compose file runs each engine and the learner in "
+            "containers of their own GPUs (disaggregated, on a GPU node); for colocated run "
+            "`streamrl up --shared.placement=colocated` in one container"
+        )
+
+
 def render(cfg: StreamRLConfig, plan: DevicePlan, command: str) -> str:
     """The whole compose file: a header with the plan, the services, the volumes."""
-    if plan.placement != "disaggregated" or not plan.on_gpu:
-        raise ConfigError(
-            f"streamrl compose: shared.placement = {plan.placement!r} on {len(plan.visible)} GPU(s): a compose "
-            "file runs each engine and the learner in containers of their own GPUs (disaggregated, on a GPU "
-            "node); for colocated run `streamrl up --shared.placement=colocated` in one container"
-        )
+    check_composable(cfg)
+    if not plan.on_gpu:
+        raise ConfigError("a compose file is for a node with GPUs: the device plan has none")
     plan_lines = "\n".join(f"#   {line}" for line in plan.describe())
     doc = {"name": "streamrl", "services": services(cfg, plan), "volumes": {"redis-data": None, "runs": None}}
     body = to_yaml(doc).replace(": null", ":")
@@ -184,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["streamrl compose", f"--devices {args.devices}", *overrides])
     try:
         cfg = load([*overrides, f"--shared.devices={ids}", "--engine.kind=sglang"])
+        check_composable(cfg)
         text = render(cfg, plan_for(cfg), command)
     except ConfigError as exc:
         print(f"streamrl compose: {exc}", file=sys.stderr)
