@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from broker.configlib import Section
 
@@ -31,6 +31,19 @@ class SharedConfig(Section):
         "auto",
         description="GPUs the run may use: auto (the visible ones, else the CPU), cpu, or ids like '0,1,2,3'.",
     )
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _device_ids_as_text(cls, value: object) -> object:
+        # `--shared.devices=0` parses as the integer 0, a TOML list as a list: both mean GPU ids
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int):
+            return str(value)
+        if isinstance(value, list | tuple):
+            return ",".join(str(v) for v in value)
+        return value
+
     placement: Literal["disaggregated", "colocated"] = Field(
         "disaggregated",
         description="disaggregated: learner and engines on their own GPUs; colocated: engines on the learner's.",

@@ -147,6 +147,27 @@ def _run_up(config: StreamRLConfig) -> int:
     return run_up(config)
 
 
+def _run_plan(config: StreamRLConfig) -> int:
+    """The device plan and weight transport ``up`` would start with these options, printed; nothing started."""
+    from streamrl.devices import plan_for
+    from streamrl.ray_launcher import describe_cluster_plan
+
+    try:
+        lines = describe_cluster_plan(config) if config.up.launcher == "ray" else plan_for(config).describe()
+    except ConfigError as exc:
+        print(f"streamrl plan: {exc}", file=sys.stderr)
+        return 2
+    sync = config.weight_sync.for_placement(config.shared.placement, config.shared.eta)
+    for line in lines:
+        print(line)
+    released = ", ".join(sync.release_memory or []) or "nothing"
+    print(
+        f"weight sync: transport {sync.transport}; engines release {released} while the learner trains "
+        f"(shared.eta = {config.shared.eta})"
+    )
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "redis": Command(
         "run the embedded Redis server until stopped", ("shared", "redis"), _run_redis, METRICS_FIELDS
@@ -187,6 +208,11 @@ COMMANDS: dict[str, Command] = {
         "start every role under one supervisor: on this node, or on a Ray cluster (up.launcher)",
         tuple(StreamRLConfig.model_fields),
         _run_up,
+    ),
+    "plan": Command(
+        "print the device plan and weight transport `up` would start with, and exit (2 if it does not fit)",
+        tuple(StreamRLConfig.model_fields),
+        _run_plan,
     ),
 }
 

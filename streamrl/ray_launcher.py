@@ -55,6 +55,34 @@ LOST = -int(signal.SIGKILL)
 PLACEMENT_FILE = "placement.json"  # RUN_DIR/placement.json: node, address and pid of each role process  # the exit code of a process whose actor (or node) died
 
 
+def engine_resources(config: StreamRLConfig, has_gpus: bool) -> dict[str, float]:
+    """The Ray resources of one engine: ``ray.engine_resources``, else the device plan's GPUs per engine
+    (SGLang's TP group, one for the built-in engine) on a cluster with GPUs, else one CPU."""
+    if config.ray.engine_resources:
+        return dict(config.ray.engine_resources)
+    return {"GPU": float(engine_ranks(config.engine))} if has_gpus else {"CPU": 1.0}
+
+
+def learner_resources(config: StreamRLConfig, has_gpus: bool) -> dict[str, float]:
+    """The Ray bundle of one learner rank: ``ray.learner_resources``, else one GPU (one CPU without GPUs)."""
+    if config.ray.learner_resources:
+        return dict(config.ray.learner_resources)
+    return {"GPU": 1.0} if has_gpus else {"CPU": 1.0}
+
+
+def describe_cluster_plan(config: StreamRLConfig) -> list[str]:
+    """What ``up --up.launcher=ray`` asks a cluster with GPUs for, as ``streamrl plan`` prints it (Ray picks the
+    nodes and sets each actor's CUDA_VISIBLE_DEVICES)."""
+    world, count = config.learner.world_size, config.engine.count
+    return [
+        "device plan (Ray cluster): Ray places each role by these resources and sets its CUDA_VISIBLE_DEVICES",
+        f"  learner: {world} rank(s) x {learner_resources(config, True)} in one placement group "
+        f"({config.ray.learner_strategy})",
+        f"  engines: {count} x {engine_resources(config, True)}, each on one node",
+        "  redis, dashboard: the head node; rollout workers, evaluator, archiver: anywhere, no GPU",
+    ]
+
+
 def import_ray() -> Any:
     try:
         import ray
@@ -303,15 +331,10 @@ class RayLauncher:
 
     # ---- resources of each role ------------------------------------------------------------------------------
     def engine_resources(self) -> dict[str, float]:
-        if self.config.ray.engine_resources:
-            return dict(self.config.ray.engine_resources)
-        # the device plan's GPUs per engine: SGLang's TP group, one for the built-in engine
-        return {"GPU": float(engine_ranks(self.config.engine))} if self.has_gpus else {"CPU": 1.0}
+        return engine_resources(self.config, self.has_gpus)
 
     def learner_resources(self) -> dict[str, float]:
-        if self.config.ray.learner_resources:
-            return dict(self.config.ray.learner_resources)
-        return {"GPU": 1.0} if self.has_gpus else {"CPU": 1.0}
+        return learner_resources(self.config, self.has_gpus)
 
     def role_options(self, role: str) -> dict[str, Any]:
         rc = self.config.ray

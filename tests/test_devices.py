@@ -235,3 +235,49 @@ def test_colocated_on_gpus_refuses_nccl_and_an_engine_that_keeps_most_of_the_gpu
         plan_for(config(tmp_path, shared={**base, "eta": 1}))
     assert plan_for(config(tmp_path, shared={**base, "eta": 1}, engine={"mem_fraction_static": 0.4})).on_gpu
     assert plan_for(config(tmp_path, shared={**base, "eta": 0})).engines == (("0",), ("1",))
+
+
+def _plan_output(capsys: pytest.CaptureFixture, args: list[str]) -> tuple[int, str, str]:
+    from streamrl.cli import main as cli_main
+
+    code = cli_main(["plan", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_streamrl_plan_prints_the_plan_or_refuses_it(capsys: pytest.CaptureFixture) -> None:
+    # `--shared.devices=0` arrives as the integer 0: it is GPU 0, not a type error
+    code, out, _ = _plan_output(
+        capsys,
+        [
+            "--shared.devices=0",
+            "--shared.placement=colocated",
+            "--shared.eta=0",
+            "--learner.world_size=1",
+            "--engine.count=1",
+        ],
+    )
+    assert code == 0
+    assert out.splitlines()[:3] == [
+        "device plan (colocated): GPUs 0",
+        "  learner: GPUs 0 (rank r on the r-th)",
+        "  engine-0: GPUs 0",
+    ]
+    assert "transport tensor; engines release kv_cache" in out
+    code, out, err = _plan_output(capsys, ["--shared.devices=0,1,2", "--learner.world_size=2"])
+    assert code == 2 and out == ""
+    assert "= 4 GPUs, but shared.devices gives 3 (0,1,2)" in err
+    code, out, _ = _plan_output(capsys, ["--up.launcher=ray", "--learner.world_size=4", "--engine.count=3"])
+    assert code == 0 and "learner: 4 rank(s) x {'GPU': 1.0}" in out and "engines: 3 x {'GPU': 1.0}" in out
+
+
+def test_the_readme_shows_what_streamrl_plan_prints(capsys: pytest.CaptureFixture) -> None:
+    # every "$ streamrl plan ..." block of the README is that command's output, word for word
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = [b.split("\n```", 1)[0] for b in readme.split("```\n$ streamrl plan ")[1:]]
+    assert len(blocks) == 3  # one GPU, one node, a cluster
+    for block in blocks:
+        command, expected = block.split("\n", 1)
+        code, out, err = _plan_output(capsys, command.split())
+        assert code == 0, err
+        assert out == expected + "\n", command
