@@ -65,8 +65,9 @@ format: $(STAMP)
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.broker_throughput --quick --out benchmarks/results/broker_throughput.quick.json
 
-# The GPU path in a few minutes on one GPU (benchmarks/gpu_check.py): pytest -m gpu, a bf16 learner step and an
-# NCCL sync of a Qwen2.5-0.5B-shaped model against a flat broadcast, a real SGLang fleet with a weight update.
+# The GPU path within 8 minutes on one GPU (benchmarks/gpu_check.py): pytest -m gpu on the gpu test files this
+# machine can run, a bf16 learner step of a Qwen2.5-0.5B-shaped model (tokens/s, MFU), the built-in engine on CUDA
+# (64 concurrent requests), a colocated `streamrl up` at eta 0, an NCCL sync (two GPUs only), a real SGLang fleet.
 # It runs under GPU_PY, the GPU node's own Python (CUDA torch, optionally sglang), not the CPU venv; without a
 # CUDA device it says so, records it in the JSON and exits 2.
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)

@@ -115,7 +115,6 @@ ROLES: dict[str, str] = {
 }
 _ROLE_ORDER = list(ROLES)
 _MODULE_REF = re.compile(r"([A-Za-z_]\w*(?:\.\w+)+|[A-Za-z_]\w*(?=:))(?::[\w.]+)?")
-_GPU_MARK = re.compile(r"\bmark\.gpu\b")
 
 
 class BundleError(Exception):
@@ -583,8 +582,13 @@ def check_closure(machine: Machine, plan: Plan) -> list[str]:
 def pytest_blockers(
     available: Collection[str], module_dists: Mapping[str, set[str]], repo: Path = REPO
 ) -> dict[str, list[str]]:
-    """Test files whose collection would fail there (a module-level import the machine lacks): `pytest -m gpu`
-    imports every test file before it deselects, so the check must --ignore them; none may hold gpu tests."""
+    """Test files whose import would fail there (a module-level import the machine lacks), each with what it
+    lacks. The check never collects them: its ``pytest -m gpu FILES`` names the gpu test files it runs
+    (``gpu_check.select_gpu_test_files``), so no --ignore is needed. Raises for a file the check would collect
+    there: conftest, or a gpu test file (the check's own ast scan) that needs no optional package the machine
+    lacks (a file that does, e.g. one importing sglang, the check leaves out)."""
+    from benchmarks.gpu_check import scan_test_file
+
     sources = project_sources(repo, (*LOCAL_PACKAGES, "tests"))
     graph = ImportGraph(sources, (*LOCAL_PACKAGES, "tests"), module_level_only=True)
     there = set(available)
@@ -602,7 +606,9 @@ def pytest_blockers(
         if not missing:
             continue
         path = module.replace(".", "/") + ".py"
-        if leaf == "conftest" or _GPU_MARK.search(sources[module].text):
+        gpu, needs = scan_test_file(sources[module].text)
+        left_out = any(not module_dists.get(p, set()) & there for p in needs)
+        if leaf == "conftest" or (gpu and not left_out):
             raise BundleError(
                 f"{path} imports {sorted(missing)} at module level, which the GPU machine lacks, "
                 "and the check needs it (gpu tests or conftest)"
@@ -677,14 +683,13 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def install_command(folder: str, ignores: Iterable[str], check_out: str) -> str:
-    """The one command, run from the repository root there: install the wheels offline, then run the check."""
+def install_command(folder: str, check_out: str) -> str:
+    """The one command, run from the repository root there: install the wheels offline, then run the check (its
+    ``pytest -m gpu`` names its test files, so a test file that cannot be imported there is never collected)."""
     f = shlex.quote(folder)
-    addopts = " ".join(f"--ignore={p}" for p in ignores)
-    pytest = f"PYTEST_ADDOPTS={shlex.quote(addopts)} " if addopts else ""
     return (
         f"python3 -m pip install --no-index --find-links {f} -r {f}/requirements.txt && "
-        f'{pytest}PYTHONPATH="$PWD" python3 -m benchmarks.gpu_check --out {_expandable(check_out)}'
+        f'PYTHONPATH="$PWD" python3 -m benchmarks.gpu_check --out {_expandable(check_out)}'
     )
 
 
@@ -736,7 +741,7 @@ def write_manifest(
     plan: Plan,
     files: Mapping[str, Path],
     machine: Machine,
-    ignores: Mapping[str, list[str]],
+    never_collected: Mapping[str, list[str]],
     command: str,
     limit_mb: float,
 ) -> dict[str, Any]:
@@ -769,7 +774,7 @@ def write_manifest(
         "not_carried": dict(sorted(plan.not_carried.items())),
         "assumed_on_machine": dict(sorted(plan.assumed.items())),
         "optional_imports": {m: {"kind": k, "why": w} for m, (k, w) in OPTIONAL_IMPORTS.items()},
-        "pytest_ignores": ignores,
+        "pytest_never_collected": never_collected,
         "install_command": command,
     }
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -821,8 +826,8 @@ def _run(args: argparse.Namespace) -> int:
     plan = plan_bundle(project_roots(), machine)
     if problems := check_closure(machine, plan):
         raise BundleError("imports on the check's path the machine would lack:\n  " + "\n  ".join(problems))
-    ignores = pytest_blockers(available_distributions(machine, plan), module_distributions())
-    command = install_command(_shown(args.out), ignores, args.check_out)
+    never_collected = pytest_blockers(available_distributions(machine, plan), module_distributions())
+    command = install_command(_shown(args.out), args.check_out)
     print(
         f"gpu-bundle: {len(plan.wheels)} wheels for CPython {machine.python} on manylinux x86_64 "
         f"({len(plan.installs())} to install, {len(plan.wheels) - len(plan.installs())} fallbacks)"
@@ -830,9 +835,10 @@ def _run(args: argparse.Namespace) -> int:
     for name, why in sorted(plan.not_carried.items()):
         if why.startswith("excluded"):
             print(f"  not carried: {name}: {why}")
-    for path, missing in ignores.items():
+    for path, missing in never_collected.items():
         print(
-            f"  pytest -m gpu there: --ignore={path} (imports {', '.join(missing)} at module level; no gpu tests)"
+            f"  pytest there: {path} would not import ({', '.join(missing)} at module level); "
+            "the check never collects it"
         )
     if args.plan_only:
         for w in sorted(plan.wheels.values(), key=lambda w: (_ROLE_ORDER.index(w.role), w.name)):
@@ -842,7 +848,7 @@ def _run(args: argparse.Namespace) -> int:
     files = download_all(plan, args.out, machine.python)
     if problems := verify_wheels(files, plan, machine):
         raise BundleError("carried wheels with requirements nothing meets:\n  " + "\n  ".join(problems))
-    write_manifest(args.out, plan, files, machine, ignores, command, args.limit_mb)
+    write_manifest(args.out, plan, files, machine, never_collected, command, args.limit_mb)
     size = folder_bytes(args.out)
     if size > args.limit_mb * 1e6:
         largest = sorted(files.values(), key=lambda p: -p.stat().st_size)[:3]

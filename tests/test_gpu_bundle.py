@@ -208,14 +208,17 @@ def test_plan_refuses_torch_and_excluded_requirements_of_carried_wheels() -> Non
         synth_plan("missing")
 
 
-def test_pytest_collection_there_ignores_only_files_without_gpu_tests(
+def test_no_test_file_the_check_collects_there_fails_to_import(
     machine: gb.Machine, plan: gb.Plan, tmp_path: Path
 ) -> None:
     available = gb.available_distributions(machine, plan)
-    blockers = gb.pytest_blockers(
-        available, gb.module_distributions()
-    )  # raises if a gpu test file is blocked
+    # raises if a gpu test file the check would run (or conftest) imports what the machine lacks
+    blockers = gb.pytest_blockers(available, gb.module_distributions())
     assert all((REPO / path).is_file() and missing for path, missing in blockers.items())
+    from benchmarks.gpu_check import select_gpu_test_files
+
+    runs_here = set(select_gpu_test_files()[0])
+    assert runs_here and not runs_here & set(blockers)
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "__init__.py").write_text("")
     (tmp_path / "tests" / "test_cpu.py").write_text("import trl\n\ndef test_x():\n    import other\n")
@@ -226,14 +229,22 @@ def test_pytest_collection_there_ignores_only_files_without_gpu_tests(
     )
     with pytest.raises(gb.BundleError, match=r"tests/test_gpu.py imports \['trl'\] at module level"):
         gb.pytest_blockers({"pytest"}, dists, tmp_path)
+    # a gpu file that needs sglang, which the machine lacks, is one the check leaves out: never collected
+    (tmp_path / "tests" / "test_gpu.py").write_text(
+        "import pytest\nimport sglang\npytestmark = pytest.mark.gpu\n"
+    )
+    assert gb.pytest_blockers({"pytest"}, dists, tmp_path) == {
+        "tests/test_cpu.py": ["trl"],
+        "tests/test_gpu.py": ["sglang"],
+    }
 
 
 def test_the_command_installs_offline_and_runs_the_check_from_the_repository_root() -> None:
-    command = gb.install_command("gpu-bundle", ["tests/test_x.py"], "$OUT/gpu_check.json")
+    # no PYTEST_ADDOPTS --ignore list: the check's `pytest -m gpu FILES` never collects a file it does not name
+    command = gb.install_command("gpu-bundle", "$OUT/gpu_check.json")
     assert command == (
         "python3 -m pip install --no-index --find-links gpu-bundle -r gpu-bundle/requirements.txt && "
-        'PYTEST_ADDOPTS=--ignore=tests/test_x.py PYTHONPATH="$PWD" python3 -m benchmarks.gpu_check '
-        "--out $OUT/gpu_check.json"
+        'PYTHONPATH="$PWD" python3 -m benchmarks.gpu_check --out $OUT/gpu_check.json'
     )
 
 
