@@ -1,6 +1,7 @@
 """Colocated against disaggregated: seconds per weight update, and seconds per learner step on the built-in task.
 
     python -m benchmarks.colocated --quick --out runs/colocated.json
+    python -m benchmarks.colocated --tiny --out runs/colocated.json   # what tests/test_colocated_bench.py runs
     python -m benchmarks.colocated --out benchmarks/results/colocated.json
 
 Part 1, the update (one run, the same learner model and the same two engine processes, ``weight_sync.mini_engine``,
@@ -38,13 +39,19 @@ from weight_sync.receiver import weights_checksum
 from weight_sync.sender import WeightSender, sync_weights
 
 TRANSPORTS = ("distributed", "tensor")
+# --tiny (the test's mode): a model of ~4 MB, a short run of each placement. quick and full: benchmarks.weight_sync's.
+UPDATE_MODES = {
+    **MODES,
+    "tiny": {"model": {"vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 256},
+             "repeats": 3},
+}  # fmt: skip
 PLACEMENTS = {"colocated": ["--shared.placement=colocated"], "disaggregated": []}
 
 
 def updates(mode: str, bucket_mb: float) -> dict[str, Any]:
     """Part 1: median seconds of one full update per transport, same model, same engines."""
     torch.set_num_threads(1)
-    spec = MODES[mode]
+    spec = UPDATE_MODES[mode]
     model_config = {**BASE_MODEL, **spec["model"]}
     procs, urls = start_engines(model_config, 2)
     samples: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
@@ -139,15 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.colocated", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--quick", action="store_true", help="a smaller model, fewer repeats and runs")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="a smaller model, fewer repeats and runs")
+    size.add_argument(
+        "--tiny", action="store_true", help="a ~4 MB model, one run of 3 steps each (the test's)"
+    )
     parser.add_argument("--bucket-mb", type=float, default=64.0, help="bucket size of both transports, MiB")
     parser.add_argument("--runs", type=int, default=None, help="up runs per placement (default 3, quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="steps per up run (default 30, quick 10)")
     parser.add_argument("--out", type=Path, default=Path("runs/colocated.json"), help="result JSON")
     args = parser.parse_args(argv)
-    mode = "quick" if args.quick else "full"
-    runs = args.runs or (1 if args.quick else 3)
-    count = args.steps or (10 if args.quick else 30)
+    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    runs = args.runs or {"tiny": 1, "quick": 1, "full": 3}[mode]
+    count = args.steps or {"tiny": 3, "quick": 10, "full": 30}[mode]
     if runs < 1 or count < 1:
         parser.error(f"--runs = {runs}, --steps = {count}: both must be >= 1")
     update = updates(mode, args.bucket_mb)

@@ -3,6 +3,7 @@
     python -m benchmarks.learning_gain --runs 10 --out FILE                  # the correct learner
     python -m benchmarks.learning_gain --runs 3 --broken lr0 --out FILE      # learning rate ~0
     python -m benchmarks.learning_gain --runs 3 --broken inverted --out FILE # advantages of the wrong sign
+    python -m benchmarks.learning_gain --colocated --runs 10 --out FILE      # tests/test_colocated_up.py's run
 
 Each run is the test's own ``streamrl up`` (:data:`RUN_ARGS`, :data:`STEPS` steps on the warm-started tiny model,
 eta 1, the default 200 held-out problems). Two statistics per run: the final gain (held-out greedy accuracy of
@@ -14,7 +15,9 @@ evaluation is 0.1 or more below their best. The result records every run, the me
 both statistics and the threshold a correct system passes with probability at least 1 - 1/1000 under a normal fit
 (mean - 3.09 sd) and under a Student t prediction interval for one more run (wider: the sd is estimated from few
 runs). ``--load`` runs everything beside benchmarks.load's SuiteLoad, a slice of the test suite in a loop, as
-the test meets it inside ``make test``. A broken learner must fail the test's threshold in every run: ``lr0``
+the test meets it inside ``make test``. ``--colocated`` runs tests/test_colocated_up.py's run instead: the same
+steps with :data:`COLOCATED_ARGS` (engines on the learner's devices, eta 0, weights by handle) and the kill -9s of
+:data:`COLOCATED_KILLS` at their steps, so its bound comes from runs that met the same faults. A broken learner must fail the test's threshold in every run: ``lr0``
 trains at learning rate 1e-12 (0 is refused by the config), ``inverted`` rewards wrong answers (the task's reward
 r becomes 1.1 - r, so every advantage changes sign).
 """
@@ -45,6 +48,13 @@ BROKEN = {
 }
 
 
+# tests/test_colocated_up.py: one colocated run that must learn and lose nothing across these kills.
+COLOCATED_ARGS = [
+    "--shared.placement=colocated", "--shared.eta=0", "--eval.every_versions=0",
+]  # fmt: skip
+COLOCATED_KILLS = ((4, "engine-0"), (8, "learner-rank-1"))  # (learner step, process) killed with SIGKILL
+
+
 def inverted_reward(prompt: Prompt, completion: str) -> RewardResult:
     """The arithmetic task's reward turned upside down (1.1 - r): the learner is pushed away from right answers."""
     from rollout_fleet.tasks.arithmetic import score_completion
@@ -56,14 +66,25 @@ def inverted_reward(prompt: Prompt, completion: str) -> RewardResult:
 LATE_FALL = 0.1  # a final evaluation this far below the run's best counts as a late fall
 
 
-def run_once(run_dir: Path, model: Path, extra: list[str]) -> dict:
+def run_once(run_dir: Path, model: Path, extra: list[str], kills: tuple[tuple[int, str], ...] = ()) -> dict:
+    from benchmarks.crash_cost import kill, wait_for_step
+
     args = [
         sys.executable, "-m", "streamrl", "up", f"--shared.run_dir={run_dir}", f"--shared.model_path={model}",
         "--dashboard.port=0", "--dashboard.metrics_base_port=0", *RUN_ARGS, *extra,
     ]  # fmt: skip
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=3600)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for step, target in kills:
+            wait_for_step(run_dir, step, proc)
+            kill(run_dir, target)
+        out, _ = proc.communicate(timeout=3600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     if proc.returncode != 0:
-        raise RuntimeError(f"streamrl up failed:\n{proc.stdout[-3000:]}")
+        raise RuntimeError(f"streamrl up failed:\n{out[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     return {
         "before": summary["eval_reward_before"],
@@ -82,29 +103,39 @@ def run_once(run_dir: Path, model: Path, extra: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.learning_gain", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.learning_gain",
+        description=__doc__.split("\n")[0],
+        epilog="Any other --section.field=value is passed to streamrl up (an ablation of the test's run).",
     )
     parser.add_argument("--runs", type=int, default=10, help="Runs of the test's configuration (default 10).")
     parser.add_argument("--broken", choices=sorted(BROKEN), help="Run a learner that cannot learn instead.")
+    parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="tests/test_colocated_up.py's run: colocated at eta 0, with its kill -9s (COLOCATED_KILLS).",
+    )
     parser.add_argument("--out", type=Path, required=True, help="Result JSON.")
     parser.add_argument(
         "--load",
         action="store_true",
         help="Run beside a slice of the test suite in a loop (benchmarks.load).",
     )
-    args = parser.parse_args(argv)
+    args, up_options = parser.parse_known_args(argv)
+    if any(not o.startswith("--") or "=" not in o for o in up_options):
+        parser.error(f"{up_options}: other options go to streamrl up, each as --section.field=value")
     if args.runs < 1:
         parser.error(f"--runs = {args.runs}: must be >= 1")
     from rollout_fleet.warmstart import init_warm_model
 
     model = init_warm_model()
-    extra = BROKEN.get(args.broken or "", [])
+    extra = BROKEN.get(args.broken or "", []) + (COLOCATED_ARGS if args.colocated else []) + up_options
+    kills = COLOCATED_KILLS if args.colocated else ()
     runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="learning-gain-") as tmp:
         load = SuiteLoad(Path(tmp) / "load") if args.load else contextlib.nullcontext()
         with load:
             for i in range(args.runs):
-                run = run_once(Path(tmp) / f"run-{i}", model, extra)
+                run = run_once(Path(tmp) / f"run-{i}", model, extra, kills)
                 runs.append(run)
                 print(
                     f"run {i + 1}/{args.runs}: {run['before']:.3f} -> {run['after']:.3f} (gain "
@@ -120,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         "late_falls": sum(1 for r in runs if r["best"] - r["after"] >= LATE_FALL),
     }
     write_result(
-        args.out, "learning_gain", args.broken or "correct",
-        {"runs": args.runs, "steps": STEPS, "run_args": RUN_ARGS + extra, "load": load_stats},
+        args.out, "learning_gain", (args.broken or "correct") + (" colocated" if args.colocated else ""),
+        {"runs": args.runs, "steps": STEPS, "run_args": RUN_ARGS + extra, "kills": kills, "load": load_stats},
         {"runs": runs}, {}, headline,
         model=model,
     )  # fmt: skip

@@ -43,12 +43,18 @@ def test_without_cuda_it_says_so_exits_2_and_records_it(tmp_path: Path) -> None:
     assert all(p == {"status": "skipped", "reason": "no CUDA device"} for p in doc["parts"].values())
 
 
+# The colocated part runs a whole `up` (about 45 s here): tests/test_colocated_up.py covers that run end to end on
+# every suite run, so the check's own colocated part runs in the slow variant only.
+@pytest.mark.parametrize(
+    "colocated", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fast", "all"]
+)
 def test_on_the_cpu_the_learner_engine_colocated_and_sync_parts_run_for_real(
-    tmp_path: Path, warm_model: Path
+    tmp_path: Path, warm_model: Path, colocated: bool
 ) -> None:
     out = tmp_path / "gpu_check.json"
+    skip = [] if colocated else ["--skip", "colocated_up"]
     proc = gpu_check(
-        out, "--allow-cpu", "--repeats", "2", "--colocated-steps", "2", "--engine-requests", "32"
+        out, "--allow-cpu", "--repeats", "2", "--colocated-steps", "2", "--engine-requests", "32", *skip
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     doc = json.loads(out.read_text())
@@ -66,6 +72,19 @@ def test_on_the_cpu_the_learner_engine_colocated_and_sync_parts_run_for_real(
     assert engine["requests"] == engine["answered"] == 32 <= 64
     assert engine["generated_tokens"] == 32 * 32 and engine["tokens_per_s"] > 0
     up = parts["colocated_up"]
+    if not colocated:
+        assert up["status"] == "skipped", up
+    else:
+        _assert_colocated_part(up)
+    sync = parts["nccl_sync"]
+    assert sync["status"] == "passed" and sync["backend"] == "gloo" and sync["weights_bit_identical"]
+    assert sync["sync_gb_per_s"] > 0 and sync["ratio_vs_flat_broadcast"] > 0
+    assert len(sync["samples"]["sync"]) == 2
+    for name in ("pytest_gpu", "sglang_fleet"):
+        assert parts[name]["status"] == "skipped" and "CUDA" in parts[name]["reason"]
+
+
+def _assert_colocated_part(up: dict) -> None:
     assert up["status"] == "passed", up
     assert up["steps"] == up["steps_asked"] == 2 and up["updates"] >= up["steps_applied"] >= 1
     assert up["sync_engines_failed"] == 0 and up["seconds_per_update"] > 0
@@ -75,12 +94,6 @@ def test_on_the_cpu_the_learner_engine_colocated_and_sync_parts_run_for_real(
     assert up["device_plan"]["placement"] == "colocated" and up["device_plan"]["device"] == "cpu"
     assert up["heldout_gain"] == pytest.approx(up["heldout_greedy_after"] - up["heldout_greedy_before"])
     assert up["eval_after_is_final_policy"] is True
-    sync = parts["nccl_sync"]
-    assert sync["status"] == "passed" and sync["backend"] == "gloo" and sync["weights_bit_identical"]
-    assert sync["sync_gb_per_s"] > 0 and sync["ratio_vs_flat_broadcast"] > 0
-    assert len(sync["samples"]["sync"]) == 2
-    for name in ("pytest_gpu", "sglang_fleet"):
-        assert parts[name]["status"] == "skipped" and "CUDA" in parts[name]["reason"]
 
 
 @pytest.fixture(scope="module")

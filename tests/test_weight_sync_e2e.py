@@ -147,6 +147,10 @@ def _learner(
     if sender is not None:
         sender.close()
         Path(out).write_text(json.dumps(report))
+    # Both ranks leave together: one CI run lost rank 1 to a SIGABRT ("terminate called without an active
+    # exception") after the quarantine, not reproduced in 40 runs beside the suite's load; a rank that tears its
+    # group down while the other still uses it is the one teardown race left in this test.
+    dist.barrier()
     dist.destroy_process_group()
 
 
