@@ -137,14 +137,13 @@ def timed_part(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-# What init_one_rank sets for this process's own process group: a child must not inherit them (a learner started
-# by `up` would rendezvous on this process's MASTER_PORT, already taken).
-RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 def child_env(**extra: str) -> dict[str, str]:
-    """The environment of a process the check starts: this one's, without :data:`RANK_ENV`, plus ``extra``."""
-    return {**{k: v for k, v in os.environ.items() if k not in RANK_ENV}, **extra}
+    """The environment of a process the check starts: this one's without torch.distributed's rendezvous
+    variables (init_one_rank set them for this process's own group: a learner started by `up` would take
+    itself for its rank and bind its MASTER_PORT, already taken), plus ``extra``."""
+    from streamrl.supervisor import child_environment
+
+    return child_environment(extra)
 
 
 def importable(module: str) -> bool:

@@ -38,6 +38,15 @@ log = logging.getLogger("streamrl.supervisor")
 
 CONFIG_ERROR_EXIT = 2  # what every role returns for a configuration it cannot accept
 MAX_RESTART_DELAY_S = 30.0
+# torch.distributed's rendezvous variables: a supervisor started inside a distributed job (torchrun, a benchmark
+# that initialised a group) must not hand its own rank and port to the roles; the learner would take itself for
+# one rank of that job and bind a port already taken.
+RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a role process: this one's without :data:`RANK_ENV`, plus ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if k not in RANK_ENV}, **(extra or {})}
 
 
 @dataclass
@@ -131,7 +140,7 @@ class Supervisor:
                 stdout=fh,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, **spec.env},
+                env=child_environment(spec.env),
                 start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor, which stops children in order
                 preexec_fn=die_with_parent(signal.SIGTERM),  # a supervisor killed outright still stops them
             )

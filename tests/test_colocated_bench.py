@@ -15,10 +15,17 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_both_transports_update_the_same_engines_bit_identically_and_are_timed() -> None:
-    from benchmarks.colocated import TRANSPORTS, updates
+def test_both_transports_update_the_same_engines_bit_identically_and_are_timed(tmp_path: Path) -> None:
+    from benchmarks.colocated import TRANSPORTS
 
-    update = updates("tiny", bucket_mb=1.0)
+    # in a process of its own: the part initialises a one-rank process group (RANK, MASTER_PORT in its
+    # environment, a port bound) that must not outlive it in pytest's process, where every later test's
+    # subprocess would inherit them (a CI run: 24 later tests' learners failed to bind that MASTER_PORT)
+    out = tmp_path / "update.json"
+    code = f"import json; from benchmarks.colocated import updates; open({str(out)!r}, 'w').write(json.dumps(updates('tiny', 1.0)))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=560)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    update = json.loads(out.read_text())
     assert update["weights_bit_identical"] == {t: True for t in TRANSPORTS}
     for transport in TRANSPORTS:
         samples = update["samples"][transport]

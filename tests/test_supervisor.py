@@ -188,3 +188,19 @@ def test_stop_all_can_keep_a_child_for_a_later_stop(tmp_path: Path) -> None:
     assert worker.process.returncode == 0 and redis_like.process.poll() is None
     sup.stop_all()
     assert redis_like.process.returncode == 0
+
+
+def test_roles_never_inherit_the_supervisors_distributed_rendezvous(tmp_path: Path, monkeypatch) -> None:
+    # `up` started inside a distributed job (or by a benchmark that initialised a group): a learner that saw
+    # RANK would take itself for one rank of that job, and MASTER_PORT is already bound
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29512", "STREAMRL_PROBE": "kept"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "env.json"
+    code = f"import json, os; open({str(out)!r}, 'w').write(json.dumps(dict(os.environ)))"
+    sup = Supervisor(tmp_path / "logs", grace_s=10, poll_s=0.05)
+    sup.start(ChildSpec("probe", _py(code), env={"CUDA_VISIBLE_DEVICES": "3"}, finishes_run=True))
+    assert sup.watch() == 0
+    env = json.loads(out.read_text())
+    assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"} & set(env)
+    assert env["STREAMRL_PROBE"] == "kept" and env["CUDA_VISIBLE_DEVICES"] == "3"
