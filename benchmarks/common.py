@@ -19,7 +19,8 @@ from typing import Any
 Z_ONE_IN_A_THOUSAND = 3.09  # one-sided normal quantile of 0.999
 # one-sided 0.999 quantiles of Student's t by degrees of freedom (n - 1), for the prediction bound
 T_ONE_IN_A_THOUSAND = {4: 7.173, 5: 5.893, 6: 5.208, 7: 4.785, 8: 4.501, 9: 4.297, 10: 4.144, 11: 4.025,
-                       12: 3.930, 13: 3.852, 14: 3.787, 15: 3.733, 19: 3.579, 29: 3.396}  # fmt: skip
+                       12: 3.930, 13: 3.852, 14: 3.787, 15: 3.733, 16: 3.686, 17: 3.646, 18: 3.610, 19: 3.579,
+                       29: 3.396}  # fmt: skip
 OPS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, "<": lambda a, b: a < b}
 
 
