@@ -31,16 +31,20 @@ pytestmark = pytest.mark.timeout(1200)
 # The held-out greedy gain this run must reach between two fixed versions: the warm start (version 0) and the
 # final policy (version STEPS), so the figure does not depend on how many live evaluations a loaded machine fits
 # in (the best of those is reported, not asserted). benchmarks/learning_gain.py ran this very configuration
-# (RUN_ARGS: the shipped default loss, STEPS = 40 steps, eta 1, 200 held-out problems) 10 times beside
+# (RUN_ARGS: the shipped default loss, STEPS = 40 steps, eta 1, 200 held-out problems) beside
 # benchmarks.load's SuiteLoad (a slice of the suite in a loop, the machine this test meets inside `make test`) on
-# 2026-12-05, with the warm model that pinned numerics build bit-identically on any machine
-# (benchmarks/results/learning_gain.2026-12-05_loaded_deterministic_warm.json): 0.510 before every time, final
-# gains 0.185 to 0.250, mean 0.214, sd 0.025, no run ending 0.1 below its best. One more run of a correct system
-# falls below the Student t prediction bound 0.103 (normal fit: 0.138) once in a thousand; 0.10 is under both.
+# 2026-12-05, on the two warm-model builds seen so far (pinned numerics repeat a build on one machine, not
+# across CPU vendors): 10 runs from the Intel Xeon build, 0.510 before
+# (benchmarks/results/learning_gain.2026-12-05_loaded_deterministic_warm.json): final gains 0.185 to 0.250, mean
+# 0.214, sd 0.025; 8 from the AMD EPYC build, 0.440 before (learning_gain.2026-12-05_loaded_amd_warm.json): 0.185
+# to 0.305, mean 0.253, sd 0.040. Pooled (18): mean 0.231, sd 0.037; one more run of a correct system falls below
+# the Student t prediction bound 0.092 (normal fit: 0.116) once in a thousand; 0.09 is under both. (The Intel
+# runs alone gave 0.103, the bound 0.10 asked before the AMD build was seen.)
 # A learner that cannot learn fails it every time: at learning rate ~0 (1e-12) the final gain was 0 in 3 runs of 3
-# under the same load with this warm model (learning_gain_lr0.2026-12-05_loaded.json); with advantages of the
-# wrong sign (the reward inverted) at most -0.380 in 3 of 3 (learning_gain_inverted.json, the earlier warm model).
-MIN_FINAL_GAIN = 0.10
+# under the same load (learning_gain_lr0.2026-12-05_loaded.json, the Intel build; the AMD build's colocated run
+# likewise, learning_gain_colocated_lr0.2026-12-05_loaded.json); with advantages of the wrong sign (the reward
+# inverted) at most -0.380 in 3 of 3 (learning_gain_inverted.json, the earlier warm model).
+MIN_FINAL_GAIN = 0.09
 ROLES = ["redis", "engine-0", "engine-1", "learner", "rollout-0", "eval", "dashboard"]
 
 
