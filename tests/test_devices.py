@@ -186,6 +186,9 @@ def test_every_process_of_up_sees_its_planned_gpus(
         run_dir, init_warm_model(), metrics_base_port(), "--learner.wandb_mode=disabled",
         "--eval.heldout_prompts=20", f"--shared.devices={','.join(GPUS[gpus])}", f"--shared.placement={placement}",
         f"--learner.world_size={ranks}", f"--engine.count={engines}",
+        # colocated at eta 0, its default use: at eta >= 1 the config refuses the engine's default memory fraction
+        # on a shared GPU
+        *(["--shared.eta=0"] if placement == "colocated" else []),
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 400
