@@ -317,7 +317,9 @@ async def test_a_request_that_can_never_fit_is_answered_with_an_error(model_dir:
         assert snap.finished and snap.finish_reason["status_code"] == 400
         assert "engine.max_total_tokens = 64" in snap.finish_reason["message"]
         res = await generate(
-            http, srv, {"input_ids": prompt_ids(20, 3), "sampling_params": {"max_new_tokens": 40}}
+            http,
+            srv,
+            {"input_ids": prompt_ids(20, 3), "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}},
         )
         assert res["meta_info"]["finish_reason"] == {"type": "length", "length": 40}  # what fits still runs
 

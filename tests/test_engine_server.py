@@ -631,7 +631,9 @@ async def test_update_weight_version_labels_later_tokens(model_dir: Path, http) 
         body = {"new_version": "7", "abort_all_requests": False}
         status, data = await call(http, "POST", srv.url + "/update_weight_version", body)
         assert status == 200 and data["new_version"] == "7"
-        res = await generate(http, srv, {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+        res = await generate(
+            http, srv, {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+        )
         assert res["meta_info"]["weight_version"] == "7"
         assert res["meta_info"]["weight_versions"] == [{"version": "7", "start": 0, "end": 2}]
 
