@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +18,34 @@ from streamrl.supervisor import RANK_ENV
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 RENDEZVOUS_AT_START = {name: os.environ.get(name) for name in RANK_ENV}
+# The warm-started model's build, started in the background when the session will need it (see below).
+WARM_MODEL_PREFETCH: list[subprocess.Popen] = []
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselection: only the tests that will run count
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules whose tests train the warm-started model run last, and the model's build (about 120 CPU
+    seconds at one thread on a fresh machine, cached after) starts now in a background process, so the tests
+    before them overlap it instead of the first such test waiting for all of it. Concurrent builders of the
+    model wait on its lock file (warmstart.build_once), so the `warm_model` fixture gets the finished one."""
+    warm = {item.nodeid.split("::")[0] for item in items if "warm_model" in getattr(item, "fixturenames", ())}
+    if not warm:
+        return
+    items.sort(key=lambda item: item.nodeid.split("::")[0] in warm)  # stable: every other order kept
+    build = "from rollout_fleet.warmstart import init_warm_model; init_warm_model(progress=None)"
+    WARM_MODEL_PREFETCH.append(subprocess.Popen(
+        [sys.executable, "-c", build], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    ))  # fmt: skip
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A session that ended before its warm-model tests (a failure with -x, ^C) stops the build it started;
+    what it wrote is a staging directory that the next build overwrites."""
+    for build in WARM_MODEL_PREFETCH:
+        if build.poll() is None:
+            os.killpg(build.pid, signal.SIGTERM)  # its session: the build runs in a child of its own
+            build.wait()
 
 
 @pytest.fixture(autouse=True)
@@ -65,3 +95,12 @@ def own_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
     server.start()
     yield server
     server.kill()
+
+
+@pytest.fixture(scope="session")
+def warm_model() -> Path:
+    """The warm-started tiny model that `streamrl up` serves by default (built once per machine, cached): the
+    one the learning bounds were measured with."""
+    from rollout_fleet.warmstart import init_warm_model
+
+    return init_warm_model()  # the background build's, once it is done (pytest_collection_modifyitems)

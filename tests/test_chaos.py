@@ -56,13 +56,6 @@ STALE_MARGIN = 0.05
 EXTRA_STALE_BOUND = 0.084
 
 
-@pytest.fixture(scope="module")
-def warm_model() -> Path:
-    from rollout_fleet.warmstart import init_warm_model
-
-    return init_warm_model()
-
-
 def check_run(run_dir: Path, out: str) -> tuple[dict, dict]:
     """The records of a finished run: nothing lost, nothing trained twice, the last step, a final evaluation of the
     final policy. Returns (summary, audit)."""

@@ -29,13 +29,6 @@ pytestmark = pytest.mark.timeout(900)
 MIN_FINAL_GAIN = 0.03
 
 
-@pytest.fixture(scope="module")
-def warm_model() -> Path:
-    from rollout_fleet.warmstart import init_warm_model
-
-    return init_warm_model()
-
-
 def learner_points(run_dir: Path) -> list[dict[str, float]]:
     url = (run_dir / "redis" / "url").read_text().strip()
     client = redis.Redis.from_url(url, socket_timeout=5, decode_responses=True)

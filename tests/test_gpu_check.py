@@ -96,14 +96,6 @@ def _assert_colocated_part(up: dict) -> None:
     assert up["eval_after_is_final_policy"] is True
 
 
-@pytest.fixture(scope="module")
-def warm_model() -> Path:
-    """The colocated part's model, built once here (cached) so the check's own run only reads it."""
-    from rollout_fleet.warmstart import init_warm_model
-
-    return init_warm_model()
-
-
 def test_the_gpu_test_files_are_those_with_a_gpu_mark_and_no_missing_package(tmp_path: Path) -> None:
     tests = tmp_path / "tests"
     tests.mkdir()

@@ -69,13 +69,6 @@ MB = 1024**2
 KILL_AT = 3  # checkpoints every 2 steps: the learner killed after step 3 goes back to step 2
 
 
-@pytest.fixture(scope="module")
-def warm_model() -> Path:
-    from rollout_fleet.warmstart import init_warm_model
-
-    return init_warm_model()  # cached after the first build
-
-
 @pytest.fixture
 def cluster() -> Iterator[Any]:
     """A head node (the only one with ``head_slot``) and a worker node, each with one ``learner_slot``; small,

@@ -48,13 +48,6 @@ MIN_FINAL_GAIN = 0.09
 ROLES = ["redis", "engine-0", "engine-1", "learner", "rollout-0", "eval", "dashboard"]
 
 
-@pytest.fixture(scope="module")
-def warm_model() -> Path:
-    from rollout_fleet.warmstart import init_warm_model
-
-    return init_warm_model()  # cached after the first build (a few minutes on 2 cores)
-
-
 def up(run_dir: Path, model: Path, metrics_base: int, *extra: str) -> subprocess.Popen:
     args = [
         sys.executable, "-m", "streamrl", "up", f"--shared.run_dir={run_dir}", f"--shared.model_path={model}",
