@@ -78,7 +78,7 @@ browser:
 
 test: $(STAMP) $(VF_STAMP) $(SGL_STAMP) browser
 	$(PY) -m ruff check .
-	$(PY) -m pytest -m "not gpu and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadscope --no-loadscope-reorder -m "not gpu and not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -22,21 +23,59 @@ RENDEZVOUS_AT_START = {name: os.environ.get(name) for name in RANK_ENV}
 WARM_MODEL_PREFETCH: list[subprocess.Popen] = []
 
 
-@pytest.hookimpl(trylast=True)  # after -m / -k deselection: only the tests that will run count
+# The modules of whole `streamrl up` runs: the learning and stale-drop bounds of those that train the warm-started
+# model were measured beside one other test at a time (benchmarks.load's SuiteLoad), never beside another up run.
+UP_RUN_MODULES = (
+    "tests/test_long_task.py", "tests/test_up_agentic.py",  # no warm-started model: first, beside its build
+    "tests/test_chaos.py", "tests/test_colocated_up.py", "tests/test_gpu_check.py", "tests/test_ray_launcher.py",
+    "tests/test_up.py",
+)  # fmt: skip
+UP_RUNS_UNIT = "up-runs"
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+@pytest.hookimpl(
+    optionalhook=True
+)  # a hook of pytest-xdist (the dev extra), which `make test` runs the suite with
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """The work units of `make test` (2 workers, --dist loadscope): UP_RUN_MODULES are one unit, run one after
+    another on one worker while the other worker runs the rest of the suite, so an up run meets one other test at
+    a time, as its bounds were measured; every other module is a unit of its own (its module-scoped fixtures are
+    built once)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UpRunsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return UP_RUNS_UNIT if _module(nodeid) in UP_RUN_MODULES else _module(nodeid)
+
+    return UpRunsTogether(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The modules whose tests train the warm-started model run last, and the model's build (about 120 CPU
-    seconds at one thread on a fresh machine, cached after) starts now in a background process, so the tests
-    before them overlap it instead of the first such test waiting for all of it. Concurrent builders of the
-    model wait on its lock file (warmstart.build_once), so the `warm_model` fixture gets the finished one."""
-    warm = {item.nodeid.split("::")[0] for item in items if "warm_model" in getattr(item, "fixturenames", ())}
-    if not warm:
-        return
-    items.sort(key=lambda item: item.nodeid.split("::")[0] in warm)  # stable: every other order kept
-    build = "from rollout_fleet.warmstart import init_warm_model; init_warm_model(progress=None)"
-    WARM_MODEL_PREFETCH.append(subprocess.Popen(
-        [sys.executable, "-c", build], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    ))  # fmt: skip
+    """UP_RUN_MODULES first, in their order (the scheduler above hands out units in collection order: the longest
+    unit starts first), then every other test in collection order. The warm-started model's build (about 120 CPU
+    seconds at one thread on a fresh machine, cached after) starts now in a background process, and the up runs
+    that need no such model go first, so the build overlaps them; concurrent builders of the model wait on its lock
+    file (warmstart.build_once), and the `warm_model` fixture gets the finished one."""
+    warm = {_module(item.nodeid) for item in items if "warm_model" in getattr(item, "fixturenames", ())}
+    unlisted = warm - set(UP_RUN_MODULES)
+    if unlisted:
+        raise pytest.UsageError(
+            f"tests/conftest.py: add {sorted(unlisted)} (warm_model users) to UP_RUN_MODULES"
+        )
+    order = {module: i for i, module in enumerate(UP_RUN_MODULES)}
+    items.sort(key=lambda item: order.get(_module(item.nodeid), len(order)))  # stable within a module
+    if warm and not config.getoption("collectonly"):
+        build = "from rollout_fleet.warmstart import init_warm_model; init_warm_model(progress=None)"
+        WARM_MODEL_PREFETCH.append(subprocess.Popen(
+            [sys.executable, "-c", build], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        ))  # fmt: skip
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
