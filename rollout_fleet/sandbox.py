@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import stat
@@ -293,9 +294,16 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} bytes"
 
 
+# A traceback's last line: the exception's name, a colon, its message ("BlockingIOError: [Errno 11] ...").
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b(:|$)")
+
+
 def _last_line(text: str) -> str:
+    """The last exception line of ``text``, else its last line. Forked children write their tracebacks to the
+    same stderr at once (a fork bomb's do), so the last line is often the middle of another child's traceback."""
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else ""
+    errors = [ln for ln in lines if _EXCEPTION_LINE.match(ln)]
+    return errors[-1] if errors else (lines[-1] if lines else "")
 
 
 def _classify(config: SandboxConfig, exit_info: dict, stderr: str, truncated: bool) -> tuple[Kind, str]:

@@ -101,6 +101,30 @@ async def test_exception_gives_last_traceback_line(config: SandboxConfig):
     assert result.exit_code == 1
 
 
+def test_a_process_limit_is_named_when_childrens_tracebacks_interleave() -> None:
+    """A fork bomb's children write their tracebacks to one stderr at once: the last line can be another child's
+    source line (seen inside `make test`: kind "error", message "os.fork()"); the last exception line decides."""
+    from rollout_fleet.sandbox import _classify
+
+    interleaved = (
+        "Traceback (most recent call last):\nTraceback (most recent call last):\n"
+        '  File "<call>", line 3, in <module>\n'
+        "BlockingIOError: [Errno 11] Resource temporarily unavailable\n"
+        '  File "<call>", line 3, in <module>\n'
+        "    os.fork()\n"
+    )
+    exit_info = {"reason": "exited", "exit_code": 1, "signal": None, "cpu_s": 0.04}
+    config = SandboxConfig(max_processes=16)
+    assert _classify(config, exit_info, interleaved, False) == (
+        "processes",
+        "process limit 16 reached (BlockingIOError: [Errno 11] Resource temporarily unavailable)",
+    )
+    plain = (
+        'Traceback (most recent call last):\n  File "<call>", line 4\nZeroDivisionError: division by zero\n'
+    )
+    assert _classify(config, exit_info, plain, False) == ("error", "ZeroDivisionError: division by zero")
+
+
 @needs_root
 async def test_fork_bomb_is_contained_and_leaves_nothing(config: SandboxConfig):
     config = config.model_copy(update={"max_processes": 16, "timeout_s": 3.0})
