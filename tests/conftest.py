@@ -37,9 +37,8 @@ def _module(nodeid: str) -> str:
     return nodeid.split("::")[0]
 
 
-@pytest.hookimpl(
-    optionalhook=True
-)  # a hook of pytest-xdist (the dev extra), which `make test` runs the suite with
+# A hook of pytest-xdist (the dev extra), which `make test` runs the suite with; optional for a plain pytest.
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """The work units of `make test` (2 workers, --dist loadscope): UP_RUN_MODULES are one unit, run one after
     another on one worker while the other worker runs the rest of the suite, so an up run meets one other test at
@@ -58,10 +57,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """UP_RUN_MODULES first, in their order (the scheduler above hands out units in collection order: the longest
-    unit starts first), then every other test in collection order. The warm-started model's build (about 120 CPU
-    seconds at one thread on a fresh machine, cached after) starts now in a background process, and the up runs
-    that need no such model go first, so the build overlaps them; concurrent builders of the model wait on its lock
-    file (warmstart.build_once), and the `warm_model` fixture gets the finished one."""
+    unit starts first), then every other test in collection order."""
     warm = {_module(item.nodeid) for item in items if "warm_model" in getattr(item, "fixturenames", ())}
     unlisted = warm - set(UP_RUN_MODULES)
     if unlisted:
@@ -70,7 +66,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
     order = {module: i for i, module in enumerate(UP_RUN_MODULES)}
     items.sort(key=lambda item: order.get(_module(item.nodeid), len(order)))  # stable within a module
-    if warm and not config.getoption("collectonly"):
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When a selected test needs the warm-started model, its build (about 120 CPU seconds at one thread on a fresh
+    machine, cached after) starts now in a background process; the up runs that need no such model go first, so
+    the build overlaps them. Concurrent builders of the model wait on its lock file (warmstart.build_once), so the
+    `warm_model` fixture gets the finished one."""
+    warm = any("warm_model" in getattr(item, "fixturenames", ()) for item in session.items)
+    if warm and not session.config.getoption("collectonly"):
         build = "from rollout_fleet.warmstart import init_warm_model; init_warm_model(progress=None)"
         WARM_MODEL_PREFETCH.append(subprocess.Popen(
             [sys.executable, "-c", build], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
