@@ -16,7 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointWrapper,
     checkpoint_wrapper,
 )
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from broker.configlib import ConfigError
 from learner.config import MixedPrecision
@@ -134,20 +134,25 @@ def shard_model(
     device: torch.device,
     activation_checkpointing: bool = False,
     mixed_precision: MixedPrecision = "auto",
+    offload: bool = False,
 ) -> nn.Module:
     """``fully_shard`` each decoder layer (checkpointed first when ``activation_checkpointing``), then the
-    root, under the compute dtype ``mixed_precision`` selects (:func:`compute_dtype`)."""
+    root, under the compute dtype ``mixed_precision`` selects (:func:`compute_dtype`). ``offload`` keeps the
+    shards in host memory (FSDP2's ``CPUOffloadPolicy``, pinned on a GPU node), copied to ``device`` for each
+    forward: for a model that is only read, such as the KL reference."""
     if activation_checkpointing:
         checkpoint_layers(model)
     dtype = compute_dtype(mixed_precision, device)
     mp = precision_policy(dtype)
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     layers = decoder_layers(model)
     for layer in layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mp_policy=mp, offload_policy=policy)
+    fully_shard(model, mp_policy=mp, offload_policy=policy)
     log.info(
-        "sharded %d decoder layers: activation checkpointing %s, compute dtype %s",
+        "sharded %d decoder layers: activation checkpointing %s, compute dtype %s%s",
         len(layers), "on" if activation_checkpointing else "off", dtype or "float32 (parameters' own)",
+        ", shards in host memory" if offload else "",
     )  # fmt: skip
     return model
 
