@@ -28,6 +28,8 @@ import os
 import random
 import re
 import shutil
+import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,6 +181,22 @@ def trained_group_ids(root: Path) -> list[str]:
     return [e.group_id for meta in history(root) for e in meta.ledger if e.outcome == "trained"]
 
 
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint being written (:meth:`CheckpointManager.save_async`): not committed, so not part of the run's
+    history, and its ledger's groups not acknowledged, until :meth:`CheckpointManager.finish`."""
+
+    final: Path  # the name it is committed under
+    tmp: Path  # where it is written
+    meta: CheckpointMeta
+    future: Any  # dcp.async_save's future (None for a synchronous save)
+    started: float  # time.monotonic() when it was staged
+
+    def written(self) -> bool:
+        """This rank's background writes have ended (successfully or not)."""
+        return self.future is None or self.future.done()
+
+
 class CheckpointManager:
     """Save and restore the learner's full state; every rank calls save() and load() together."""
 
@@ -192,6 +210,47 @@ class CheckpointManager:
         Every file is fsynced before the rename, so the renamed directory is whole after a power loss too; the
         ``checkpoint.before_commit`` and ``checkpoint.committed`` crash points (broker.lifecycle) sit on either
         side of the rename for the tests that kill the learner there."""
+        final, tmp = self._begin(meta)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "model_optim"))
+        torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+        return self._commit(PendingCheckpoint(final, tmp, meta, None, time.monotonic()))
+
+    def save_async(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        meta: CheckpointMeta,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> PendingCheckpoint:
+        """Start a checkpoint whose shards are written in the background (``dcp.async_save``): this returns once
+        the state is staged (copied to host memory), so training goes on while the files are written; the
+        checkpoint is committed, and may be acknowledged, only by :meth:`finish`. ``process_group``: a group of
+        its own for the background writer's collectives (a gloo group beside the training one).
+
+        Every rank calls this and later :meth:`finish` together; one checkpoint is in flight at a time (finish
+        the previous one first: the next one's parent is the newest committed checkpoint)."""
+        final, tmp = self._begin(meta)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        future = dcp.async_save(
+            {"model": model_sd, "optim": optim_sd},
+            checkpoint_id=str(tmp / "model_optim"),
+            process_group=process_group,
+        )
+        torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+        return PendingCheckpoint(final, tmp, meta, future, time.monotonic())
+
+    def finish(self, pending: PendingCheckpoint) -> Path:
+        """Wait for an asynchronous checkpoint's writes (re-raising a failed one) and commit it, as :meth:`save`
+        commits: durable and renamed when this returns on every rank."""
+        result = pending.future.result() if pending.future is not None else None
+        if result is not None and hasattr(result, "upload_completion"):  # newer torch: an AsyncSaveResponse
+            result.upload_completion.result()
+        crash_point("checkpoint.async_written")
+        return self._commit(pending)
+
+    def _begin(self, meta: CheckpointMeta) -> tuple[Path, Path]:
+        """Name the next checkpoint and create its ``.tmp`` directory; ``meta.parent`` is the newest committed."""
         parent = self.latest()
         meta.parent = parent.name if parent is not None else None
         name = self._fresh_name(meta.step)
@@ -200,24 +259,25 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "model_optim"))
-        torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+        return final, tmp
+
+    def _commit(self, pending: PendingCheckpoint) -> Path:
+        """Every rank's files are written: rank 0 fsyncs them, writes meta.json and renames the directory."""
         _barrier()
         if _rank() == 0:
-            for child in tmp.rglob("*"):
+            for child in pending.tmp.rglob("*"):
                 if child.is_file():
                     with open(child, "rb+") as fh:
                         os.fsync(fh.fileno())
-            _write_durable(tmp / "meta.json", meta.to_json())
+            _write_durable(pending.tmp / "meta.json", pending.meta.to_json())
             crash_point("checkpoint.before_commit")
-            tmp.rename(final)  # the commit point
+            pending.tmp.rename(pending.final)  # the commit point
             _fsync_dir(self.root)
             crash_point("checkpoint.committed")
-            _write_durable(self.root / LATEST, name)
+            _write_durable(self.root / LATEST, pending.final.name)
             self._prune()
         _barrier()
-        return final
+        return pending.final
 
     def _fresh_name(self, step: int) -> str:
         """``step_<step>``, or ``step_<step>.<k>`` when a checkpoint of that step exists (a stop right after a
@@ -262,18 +322,22 @@ def export_hf(model: nn.Module, source_dir: Path, out_dir: Path) -> Path | None:
     with LoRA adapters is written merged (learner.lora.merged_state_dict): engines and the evaluator load it as
     a plain model.
     """
-    from safetensors.torch import save_file
-
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if _rank() != 0:
         return None
-    state = merged_state_dict(model, state)
+    return write_hf_dir(merged_state_dict(model, state), _tied(model), source_dir, out_dir)
+
+
+def write_hf_dir(state: dict[str, torch.Tensor], tied: bool, source_dir: Path, out_dir: Path) -> Path:
+    """Write a full (merged) state dict as a Hugging Face directory at ``out_dir``, atomically (built beside it,
+    then renamed), with the config and tokenizer files of ``source_dir``; a tied lm-head is left out, as
+    ``save_pretrained`` leaves it."""
+    from safetensors.torch import save_file
+
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = {
-        k: v.contiguous() for k, v in state.items() if not k.endswith("lm_head.weight") or not _tied(model)
-    }
+    tensors = {k: v.contiguous() for k, v in state.items() if not k.endswith("lm_head.weight") or not tied}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     for item in Path(source_dir).iterdir():
         if (
@@ -284,6 +348,62 @@ def export_hf(model: nn.Module, source_dir: Path, out_dir: Path) -> Path | None:
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def checkpoint_of_step(root: Path, step: int | None) -> Path:
+    """The committed checkpoint of ``step`` (the newest one of that step), or the newest of all for None;
+    a ValueError names the steps there are."""
+    committed = committed_checkpoints(root)
+    if not committed:
+        raise ValueError(f"{root}: no committed checkpoint")
+    if step is None:
+        return committed[-1]
+    matching = [p for p in committed if checkpoint_order(p)[0] == step]  # type: ignore[index]
+    if not matching:
+        steps = sorted({checkpoint_order(p)[0] for p in committed})  # type: ignore[index]
+        raise ValueError(
+            f"step = {step}: no committed checkpoint of that step under {root}; there are {steps}"
+        )
+    return matching[-1]
+
+
+def model_state_from_checkpoint(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The policy's full state dict (Hugging Face names, LoRA adapters unmerged) read from a committed
+    checkpoint's DCP shards in this process, with no process group: the optimizer state is not read."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(str(Path(checkpoint) / "model_optim"))
+    metadata = reader.read_metadata()
+    model: dict[str, torch.Tensor] = {}
+    for key, info in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and isinstance(info, TensorStorageMetadata):
+            model[key[len("model.") :]] = torch.empty(info.size, dtype=info.properties.dtype)
+    state = {"model": model}
+    with (
+        warnings.catch_warnings()
+    ):  # "torch.distributed is ... uninitialized": a single process is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state["model"]
+
+
+def export_checkpoint(checkpoint: Path, source_dir: Path, out_dir: Path, lora: Any = None) -> Path:
+    """The Hugging Face directory of a committed checkpoint's policy, built offline (``streamrl export``): the
+    model's DCP shards are read in this process, LoRA adapters (``lora``: the run's learner.lora section) are
+    merged into their base layers, and the result is written as :func:`export_hf` writes it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from learner.loading import parameters_on_meta
+    from learner.lora import apply_lora
+
+    state = model_state_from_checkpoint(checkpoint)
+    config = AutoConfig.from_pretrained(source_dir)
+    with parameters_on_meta():  # the architecture only (LoRA scaling, tied embeddings): no memory
+        skeleton = AutoModelForCausalLM.from_config(config)
+    if lora is not None and lora.enabled:
+        skeleton = apply_lora(skeleton, lora)
+    return write_hf_dir(merged_state_dict(skeleton, state), _tied(skeleton), source_dir, out_dir)
 
 
 def _tied(model: nn.Module) -> bool:

@@ -231,8 +231,26 @@ class LearnerConfig(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     keep_checkpoints: int = Field(3, ge=1, description="How many complete checkpoints to keep.")
-    export_hf: bool = Field(
-        True, description="Write a Hugging Face export of the policy at every checkpoint."
+    async_checkpoint: bool = Field(
+        True,
+        description="Write checkpoints in the background (torch.distributed.checkpoint.async_save: the step "
+        "waits only for a copy of the state to host memory); a checkpoint's groups are acknowledged once it is "
+        "durable and committed, and the final one is written before the learner exits.",
+    )
+    export_every: int = Field(
+        0,
+        ge=0,
+        description="Write RUN_DIR/export/latest, a Hugging Face export of the policy, every k steps (a gather "
+        "of the whole model to rank 0 and a write, on the training path); 0: never during the run. "
+        "`streamrl export RUN_DIR [--step N]` builds one from any checkpoint offline.",
+    )
+    export_at_end: bool = Field(
+        True, description="Write RUN_DIR/export/latest when the learner stops (max_steps reached or a stop)."
+    )
+    reference_offload: bool = Field(
+        False,
+        description="Keep the KL reference's FSDP2 shards in host memory, copied to the device for each forward "
+        "(it is only read): GPU memory for the policy at the cost of a host-to-device copy per reference pass.",
     )
     activation_checkpointing: bool = Field(
         False,

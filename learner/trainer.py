@@ -9,6 +9,7 @@ always agree on what happens next.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import signal
@@ -32,9 +33,9 @@ from broker.record import TrajectoryGroup
 from broker.staleness import Lineage, RedisCounters, StalenessManager, staleness_stats
 from broker.version import PolicyVersion
 from learner.attention import register_packed_attention, resolve_attention_kernel
-from learner.checkpoint import CheckpointManager, CheckpointMeta, LedgerEntry, export_hf
+from learner.checkpoint import CheckpointManager, CheckpointMeta, LedgerEntry, PendingCheckpoint, export_hf
 from learner.config import LearnerConfig
-from learner.distributed import DistInfo, compute_dtype, shard_model
+from learner.distributed import DistInfo, compute_dtype
 from learner.intake import (
     Intake,
     NotReady,
@@ -43,7 +44,8 @@ from learner.intake import (
     run_coroutine,
     sequence_limit,
 )
-from learner.lora import apply_lora, trainable_parameters
+from learner.loading import load_sharded
+from learner.lora import trainable_parameters
 from learner.packing import StepInputs, TrainSequence, step_inputs
 from learner.publish import Publication
 from learner.schedule import lr_multiplier
@@ -218,6 +220,13 @@ class Learner:
         self.checkpoints = CheckpointManager(
             Path(shared.run_dir) / "checkpoints", keep_last=config.keep_checkpoints
         )
+        self._pending: PendingCheckpoint | None = (
+            None  # a checkpoint being written (learner.async_checkpoint)
+        )
+        # the background writer's collectives get a gloo group of their own, beside the training group's
+        self._checkpoint_group = (
+            dist.new_group(backend="gloo") if config.async_checkpoint and dist.is_initialized() else None
+        )
         self._last_checkpoint_time = time.monotonic()
         self._checkpointed_step = self.step
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -238,18 +247,18 @@ class Learner:
     # ----- setup -------------------------------------------------------------------------------------------
 
     def _build_model(self) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-        from transformers import AutoModelForCausalLM
-
         if self.shared.model_path is None:
             raise ValueError("shared.model_path is not set: the learner needs a Hugging Face model directory")
         torch.manual_seed(self.config.seed)
-        model = AutoModelForCausalLM.from_pretrained(
-            self.shared.model_path, dtype=torch.float32, attn_implementation=self._attention()
-        )
-        model = apply_lora(model, self.config.lora)  # before sharding: FSDP2 shards the frozen base too
-        model.to(self.info.device)
-        model = shard_model(
-            model, self.info.device, self.config.activation_checkpointing, self.config.mixed_precision
+        # built on the meta device, sharded, then each rank reads its own shards (learner.loading)
+        model, _ = load_sharded(
+            Path(self.shared.model_path),
+            self.info.device,
+            attention=self._attention(),
+            lora=self.config.lora,  # adapters injected before sharding: FSDP2 shards the frozen base too
+            seed=self.config.seed,
+            activation_checkpointing=self.config.activation_checkpointing,
+            mixed_precision=self.config.mixed_precision,
         )
         optimizer = torch.optim.AdamW(
             trainable_parameters(model),  # with LoRA, the adapters only
@@ -269,17 +278,19 @@ class Learner:
         return register_packed_attention(name)
 
     def _build_reference(self) -> nn.Module:
-        """The frozen reference policy for the KL: the initial weights (shared.model_path), sharded with FSDP2
-        like the policy, without gradients, never updated or checkpointed (it is the model directory)."""
-        from transformers import AutoModelForCausalLM
-
-        ref = AutoModelForCausalLM.from_pretrained(
-            self.shared.model_path, dtype=torch.float32, attn_implementation=self._attention()
+        """The frozen reference policy for the KL: the initial weights (shared.model_path), loaded sharded like
+        the policy (its shards in host memory with learner.reference_offload), without gradients, never updated
+        or checkpointed (it is the model directory)."""
+        ref, _ = load_sharded(
+            Path(self.shared.model_path),
+            self.info.device,
+            attention=self._attention(),
+            mixed_precision=self.config.mixed_precision,
+            offload=self.config.reference_offload,
         )
         ref.requires_grad_(False)
         ref.eval()
-        ref.to(self.info.device)
-        return shard_model(ref, self.info.device, False, self.config.mixed_precision)
+        return ref
 
     def _start_redis_side(self) -> None:
         """Rank 0: an event loop thread owning the Redis client, consumer, version, metrics and admission."""
@@ -415,6 +426,7 @@ class Learner:
             payload = self._next_payload()
             if payload.stop:
                 break
+            self._poll_checkpoint()  # every rank at the same payload: the poll is a collective
             if payload.idle:
                 if payload.resync:
                     self._publish(initial=False)
@@ -423,6 +435,8 @@ class Learner:
             if payload.checkpoint:
                 self._checkpoint()
         self._checkpoint(final=True)
+        if self.config.export_at_end:
+            self._export()
         self.publisher.close()
         if self.info.is_main and self._wandb is not None:
             self._wandb.finish()
@@ -507,6 +521,8 @@ class Learner:
                 published = True
             if self.config.snapshot_every and self.step % self.config.snapshot_every == 0:
                 self._snapshot()
+            if self.config.export_every and self.step % self.config.export_every == 0:
+                self._export()
         if not published:
             self.publisher.after_train(self.model, self.version)
         if self.info.is_main:
@@ -561,7 +577,21 @@ class Learner:
             }
             (written / "snapshot.json").write_text(json.dumps(info))
 
+    def _export(self) -> None:
+        """RUN_DIR/export/latest: a Hugging Face directory of the current policy (a gather of the whole model to
+        rank 0 and a write of it), with the step and version it is of. Nothing in the run reads it."""
+        out = Path(self.shared.run_dir) / "export" / "latest"
+        written = export_hf(self.model, Path(self.shared.model_path), out)
+        if written is not None:
+            info = {"step": self.step, "policy_version": self.version, "time": time.time()}
+            (written / "export.json").write_text(json.dumps(info))
+            log.info("exported step %d (version %d) to %s", self.step, self.version, written)
+
     def _checkpoint(self, final: bool = False) -> None:
+        """A checkpoint of this step: started in the background (learner.async_checkpoint; committed and
+        acknowledged by a later :meth:`_poll_checkpoint`), or written, committed and acknowledged now (the final
+        one always: a stop waits for it)."""
+        self._finish_checkpoint()  # one in flight at a time: the next one's parent is the newest committed
         ledger: list[LedgerEntry] = list(self.intake.ledger) if self.info.is_main else []
         nothing_new = self._broadcast(not ledger and self.step == self._checkpointed_step)
         if final and nothing_new:
@@ -569,26 +599,55 @@ class Learner:
         meta = CheckpointMeta(
             step=self.step,
             policy_version=self.version,
-            scheduler=self.scheduler.state_dict(),
+            scheduler=copy.deepcopy(self.scheduler.state_dict()),
             ledger=ledger,
-            extra={
-                "skipped_steps": self.skipped_steps,
-                "totals": self.intake.totals if self.info.is_main else {},
-                "sample_totals": self.intake.sample_totals if self.info.is_main else {},
-            },
+            extra=copy.deepcopy(
+                {
+                    "skipped_steps": self.skipped_steps,
+                    "totals": self.intake.totals if self.info.is_main else {},
+                    "sample_totals": self.intake.sample_totals if self.info.is_main else {},
+                }
+            ),
         )
-        path = self.checkpoints.save(self.model, self.optimizer, meta)
-        if self.config.export_hf:
-            export_hf(
-                self.model, Path(self.shared.model_path), Path(self.shared.run_dir) / "export" / "latest"
+        if self.config.async_checkpoint and not final:
+            self._pending = self.checkpoints.save_async(
+                self.model, self.optimizer, meta, self._checkpoint_group
             )
+            crash_point("checkpoint.async_started")
+        else:
+            self._acknowledge(self.checkpoints.save(self.model, self.optimizer, meta), ledger)
+        self._last_checkpoint_time = time.monotonic()
+        self._checkpointed_step = self.step
+
+    def _acknowledge(self, path: Path, ledger: list[LedgerEntry]) -> None:
+        """The checkpoint at ``path`` is committed: acknowledge its ledger's stream entries (rank 0)."""
         crash_point("checkpoint.before_ack")
         if self.info.is_main:
             done = self._call(self.intake.acknowledge(ledger))
             self.intake.ledger = self.intake.ledger[len(ledger) :]
             log.info("checkpoint %s durable; acknowledged %d entries", path.name, done)
-        self._last_checkpoint_time = time.monotonic()
-        self._checkpointed_step = self.step
+
+    def _poll_checkpoint(self) -> None:
+        """Commit and acknowledge the checkpoint being written once every rank's writes have ended (a flag
+        all-reduced over the ranks, so all commit together); nothing when none is in flight."""
+        if self._pending is None:
+            return
+        written = torch.tensor([1 if self._pending.written() else 0])
+        if self.info.world_size > 1:
+            dist.all_reduce(written, op=dist.ReduceOp.MIN, group=self._checkpoint_group)
+        if written.item():
+            self._finish_checkpoint()
+
+    def _finish_checkpoint(self) -> None:
+        """Wait for the checkpoint in flight, if any, then commit and acknowledge it."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        path = self.checkpoints.finish(pending)
+        self._acknowledge(path, pending.meta.ledger)
+        log.info(
+            "checkpoint %s written in the background in %.1f s", path.name, time.monotonic() - pending.started
+        )
 
     def _init_wandb(self) -> None:
         if self.config.wandb_mode == "disabled":

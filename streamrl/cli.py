@@ -20,8 +20,10 @@ Asynchronous streaming RL: SGLang (or built-in) engines -> Redis Stream -> FSDP2
 commands:
 {commands}
 
-  model init  build (or find cached) the warm-started tiny model: `streamrl model init --help`
+  model init  build (or find cached) the warm-started tiny model: `streamrl model init --help`;
+              with --shape qwen2.5-0.5b, a model of that architecture with random weights and a BPE tokenizer
   audit RUN_DIR  account for every prompt group of a run: generated, trained, dropped, lost
+  export RUN_DIR [--step N]  write a Hugging Face directory of the policy at a checkpoint, offline
   compose --devices N  write a docker-compose file for one GPU node from the device plan
   inspect RUN_DIR  the run's trajectory archive: rewards by step, staleness, best / worst / random samples
   eval --adversarial  score every built-in verifier's adversarial set (each case must score 0; exit 1 if not)
@@ -240,8 +242,16 @@ def _model_command(args: list[str]) -> int:
     """``streamrl model init [--out DIR --steps N --seed S ...]``: build (or find cached) the warm-started tiny
     model; the options are rollout_fleet.warmstart's (``streamrl model init --help``)."""
     if not args or args[0] != "init":
-        print("usage: streamrl model init [--out DIR] [--steps N] [--seed S] [--help]", file=sys.stderr)
+        print(
+            "usage: streamrl model init [--out DIR] [--steps N] [--seed S] [--help]\n"
+            "       streamrl model init --shape qwen2.5-0.5b [--out DIR]",
+            file=sys.stderr,
+        )
         return 2
+    if any(a == "--shape" or a.startswith("--shape=") for a in args[1:]):
+        from rollout_fleet.shapes import main as shapes_main
+
+        return shapes_main(args[1:])
     from rollout_fleet.warmstart import main as warmstart_main
 
     return warmstart_main(args[1:])
@@ -269,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         from streamrl.audit import main as audit_main
 
         return audit_main(rest)
+    if name == "export":
+        from streamrl.export import main as export_main
+
+        return export_main(rest)
     if name == "compose":
         from streamrl.compose import main as compose_main
 

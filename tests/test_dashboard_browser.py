@@ -279,7 +279,7 @@ async def test_page_follows_a_real_learner_run(
         sys.executable, "-m", "streamrl", "learner", f"--shared.run_dir={tmp_path / 'run'}", f"--shared.redis_url={redis_url}",
         f"--shared.model_path={model_dir}", "--shared.run_id=real", "--shared.eta=2", "--learner.world_size=1",
         "--learner.groups_per_step=4", "--learner.wandb_mode=disabled", "--learner.max_steps=2",
-        "--learner.micro_batch_tokens=256", "--learner.export_hf=false",
+        "--learner.micro_batch_tokens=256", "--learner.export_at_end=false",
     ]  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

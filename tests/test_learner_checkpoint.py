@@ -5,12 +5,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from broker.server import free_port
-from learner.checkpoint import CheckpointManager, CheckpointMeta, LedgerEntry, export_hf
+from learner.checkpoint import (
+    CheckpointManager,
+    CheckpointMeta,
+    LedgerEntry,
+    checkpoint_of_step,
+    export_checkpoint,
+    export_hf,
+)
 from learner.distributed import full_parameters, init_distributed, shard_model
 from rollout_fleet.model import init_tiny_model
 
@@ -37,8 +45,17 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
         ledger = [LedgerEntry(f"{step}-0", f"g{step}", "trained")]
         manager.save(model, opt, CheckpointMeta(step=step, policy_version=step + 10, ledger=ledger))
     saved = {n: t.clone() for n, t in full_parameters(model)}
+    # a background save: staged now, written while the next step changes the weights, committed after
+    pending = manager.save_async(
+        model, opt, CheckpointMeta(step=4, policy_version=14), dist.new_group(backend="gloo")
+    )
+    uncommitted = sorted(p.name for p in (Path(out) / "ckpt").iterdir())
+    _train_step(model, opt, seed=4)
+    async_path = manager.finish(pending)
+    manager.load(async_path, model, opt)
+    async_restored = dict(full_parameters(model))
     _train_step(model, opt, seed=99)  # diverge, then restore
-    meta = manager.load(manager.latest(), model, opt)
+    meta = manager.load(Path(out) / "ckpt" / "step_00000003", model, opt)
     restored = dict(full_parameters(model))
     first = next(iter(model.parameters()))
     adam_steps = float(opt.state[first]["step"])  # 4 before the restore, 3 in the checkpoint
@@ -48,7 +65,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     if rank == 0:
         torch.save(
             {"saved": saved, "restored": restored, "after": after_restore, "step": meta.step,
-             "version": meta.policy_version, "adam_steps": adam_steps, "ledger": [e.group_id for e in meta.ledger]},
+             "version": meta.policy_version, "adam_steps": adam_steps, "ledger": [e.group_id for e in meta.ledger],
+             "uncommitted": uncommitted, "async_restored": async_restored},
             Path(out) / "result.pt",
         )  # fmt: skip
     dist.destroy_process_group()
@@ -62,11 +80,23 @@ def test_checkpoint_restore_prune_and_export(tmp_path: Path) -> None:
     assert result["step"] == 3 and result["version"] == 13 and result["ledger"] == ["g3"]
     for name, tensor in result["saved"].items():
         assert torch.equal(tensor, result["restored"][name]), name
+        # the background save holds the weights it was started with, not the step taken while it was written
+        assert torch.equal(tensor, result["async_restored"][name]), name
+    assert result["uncommitted"] == ["LATEST", "step_00000002", "step_00000003", "step_00000004.tmp"]
     kept = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    assert kept == ["LATEST", "step_00000002", "step_00000003"]
+    assert kept == ["LATEST", "step_00000003", "step_00000004"]
 
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     for name, tensor in exported.named_parameters():
         assert torch.equal(tensor.detach(), result["after"][name]), name
+
+    # offline, in this process with no process group: the newest checkpoint's policy (step 3), bit for bit
+    offline = export_checkpoint(checkpoint_of_step(tmp_path / "ckpt", 3), model_dir, tmp_path / "offline")
+    from_checkpoint = AutoModelForCausalLM.from_pretrained(offline)
+    for name, tensor in from_checkpoint.named_parameters():
+        assert torch.equal(tensor.detach(), result["saved"][name]), name
+    assert checkpoint_of_step(tmp_path / "ckpt", None).name == "step_00000004"
+    with pytest.raises(ValueError, match=r"step = 1: .*there are \[3, 4\]"):
+        checkpoint_of_step(tmp_path / "ckpt", 1)

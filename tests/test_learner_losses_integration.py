@@ -40,7 +40,7 @@ def test_each_policy_loss_trains_one_step(
     produce(redis_url, groups)
     proc = start_learner(
         tmp_path, redis_url, model_dir, "--learner.world_size=1", "--learner.groups_per_step=2",
-        "--learner.max_steps=1", "--learner.export_hf=false", f"--learner.loss.policy_loss={loss}",
+        "--learner.max_steps=1", "--learner.export_at_end=false", f"--learner.loss.policy_loss={loss}",
     )  # fmt: skip
     out, _ = proc.communicate(timeout=80)
     assert proc.returncode == 0, out
@@ -75,7 +75,7 @@ def test_trust_region_reference_kl_entropy_and_schedule_on_two_ranks(
     produce(redis_url, groups)
     proc = start_learner(
         tmp_path, redis_url, model_dir, "--learner.groups_per_step=2", "--learner.max_steps=2",
-        "--learner.export_hf=false", "--learner.ppo_minibatches=2", "--learner.lr=0.05",
+        "--learner.export_at_end=false", "--learner.ppo_minibatches=2", "--learner.lr=0.05",
         "--learner.lr_schedule=cosine", "--learner.lr_decay_steps=2", "--learner.loss.kl_coef=0.5",
         f"--learner.loss.kl_mode={kl_mode}", "--learner.loss.entropy_coef=0.01",
     )  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
+from safetensors.torch import load_file
 
 from broker.client import BrokerKeys, connect
 from broker.config import BrokerConfig, SharedConfig
@@ -121,7 +124,24 @@ def test_learner_trains_filters_stale_and_acknowledges(tmp_path: Path, redis_url
     # left of the 3 s once step 1 trained (well under 2.5 s even on a loaded machine)
     second = {k.decode(): float(v) for k, v in points[1][1].items()}
     assert first["paced_seconds"] == 0 and 0.5 < second["paced_seconds"] <= 3
-    assert (tmp_path / "run" / "export" / "latest" / "model.safetensors").is_file()
+    assert (tmp_path / "run" / "export" / "latest" / "model.safetensors").is_file()  # learner.export_at_end
+    assert json.loads((tmp_path / "run" / "export" / "latest" / "export.json").read_text())["step"] == 3
+
+    # streamrl export: the final checkpoint's policy, offline, is the one the learner exported when it stopped
+    done = subprocess.run(
+        [sys.executable, "-m", "streamrl", "export", str(tmp_path / "run"), "--out", str(tmp_path / "offline")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    online = load_file(str(tmp_path / "run" / "export" / "latest" / "model.safetensors"))
+    offline = load_file(str(tmp_path / "offline" / "model.safetensors"))
+    assert offline.keys() == online.keys()
+    assert all(torch.equal(offline[k], online[k]) for k in online)
+    refused = subprocess.run(
+        [sys.executable, "-m", "streamrl", "export", str(tmp_path / "run"), "--step", "7"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "step = 7" in refused.stderr and "[2, 3]" in refused.stderr
 
 
 def _trained_ids(run_dir: Path) -> list[str]:
@@ -172,24 +192,33 @@ def test_sigterm_then_kill9_resume_trains_each_group_once(tmp_path: Path, redis_
 
 
 @pytest.mark.parametrize(
-    "point", ["checkpoint.before_commit", "checkpoint.committed", "checkpoint.before_ack"]
+    "point",
+    [
+        "checkpoint.before_commit@2",
+        "checkpoint.committed@2",
+        "checkpoint.before_ack@2",
+        "checkpoint.async_started@1",
+    ],
 )
 def test_kill9_at_each_point_of_a_checkpoint_trains_each_group_once(
     tmp_path: Path, redis_url: str, point: str
 ) -> None:
-    """Every learner process killed at one point of the second checkpoint (before its rename, right after it,
-    after it but before the acknowledgement), then a restart: the checkpoints on disk and the chain the run
-    stands on each hold every group exactly once. A kill right after the rename used to resume from the older
-    checkpoint that LATEST still named and train the newer one's groups a second time."""
+    """Every learner process killed at one point of a checkpoint (the second one's rename: before it, right
+    after it, after it but before the acknowledgement; or while the first one, at step 2, is still being
+    written in the background), then a restart: the checkpoints on disk and the chain the run stands on each
+    hold every group exactly once. A kill right after the rename used to resume from the older checkpoint that
+    LATEST still named and train the newer one's groups a second time; a background checkpoint acknowledged
+    before it was committed would lose its groups."""
     model_dir, groups, keys, client = sixteen_groups_in_the_stream(tmp_path, redis_url)
     common = ("--shared.eta=100", "--learner.checkpoint_every=2", "--learner.keep_checkpoints=20",
               "--broker.max_backlog=512", "--learner.max_steps=4")  # fmt: skip
 
-    crash = {CRASH_AT_ENV: f"{point}@2", CRASH_GROUP_ENV: "1"}
+    crash = {CRASH_AT_ENV: point, CRASH_GROUP_ENV: "1"}
     proc = start_learner(tmp_path, redis_url, model_dir, *common, new_session=True, env=crash)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == -signal.SIGKILL, out
-    assert f"crash point {point} (pass 2)" in out, out
+    name, nth = point.split("@")
+    assert f"crash point {name} (pass {nth})" in out, out
 
     proc = start_learner(tmp_path, redis_url, model_dir, *common)
     out, _ = proc.communicate(timeout=240)

@@ -72,6 +72,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     stepped = dict(full_parameters(model))
     manager = CheckpointManager(Path(out) / "ckpt")
     manager.save(model, opt, CheckpointMeta(step=1, policy_version=1))
+    export_hf(model, Path(model_dir), Path(out) / "export-step1")  # online, of the checkpointed policy
     _step(model, opt, seed=2, world=world, rank=rank)
     continued = dict(full_parameters(model))
     _step(model, opt, seed=3, world=world, rank=rank)  # diverge further, then resume from step 1
@@ -128,3 +129,22 @@ def test_lora_fsdp_step_checkpoint_and_merged_export(tmp_path: Path) -> None:
     torch.testing.assert_close(_logprobs(exported), result["logprobs"], atol=1e-5, rtol=0)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     assert (_logprobs(base) - result["logprobs"]).abs().max() > 1e-3  # the merge did change the model
+
+    # offline (streamrl export's path): the checkpoint's DCP shards, merged, are the online export bit for bit
+    from safetensors.torch import load_file
+
+    from learner.checkpoint import export_checkpoint
+    from learner.config import LoraSection
+
+    offline = export_checkpoint(
+        tmp_path / "ckpt" / "step_00000001", model_dir, tmp_path / "offline", LoraSection(rank=4, alpha=8)
+    )
+    online = load_file(str(tmp_path / "export-step1" / "model.safetensors"))
+    got = load_file(str(offline / "model.safetensors"))
+    assert got.keys() == online.keys() and not any("lora" in k for k in got)
+    for name, tensor in online.items():
+        assert torch.equal(got[name], tensor), name
+    assert not torch.equal(
+        got["model.layers.0.self_attn.q_proj.weight"],
+        base.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+    )
