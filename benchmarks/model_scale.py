@@ -1,0 +1,277 @@
+"""The learner at a real model's shape: memory at start, checkpoints, and per-step overhead.
+
+    python -m benchmarks.model_scale --quick --out runs/model_scale.quick.json   # qwen2.5-small (~30 M)
+    python -m benchmarks.model_scale --out benchmarks/results/model_scale.json   # qwen2.5-0.5b (494 M)
+
+The model is ``streamrl model init --shape`` (random weights, bf16 on disk, nothing downloaded). Two learner ranks
+(gloo, one thread each, the 2 cores of this machine), each part in fresh processes:
+
+* ``load``: each rank's peak resident memory (``ru_maxrss``) after building its FSDP2 fp32 policy, the
+  whole-model path (``from_pretrained`` on every rank, then ``fully_shard``: the learner before sharded loading)
+  against sharded loading (``learner.loading``: meta device, shard, each rank reads its rows). Also each rank's
+  memory after imports, before loading. Target: whole peak >= 1.8x sharded peak.
+* ``checkpoint``: the seconds a step waits for a checkpoint of the policy and its AdamW state: ``save`` (written,
+  fsynced and committed before training goes on) against ``save_async`` (training waits for the copy to host
+  memory only; the write and commit follow), and how long the background write took. Alternated, ``repeats``
+  times each.
+* ``train``: tokens/s of the learner's ``train_step`` (decoupled PPO, chunked loss, FSDP2 over the 2 ranks) against
+  a plain loop in one process with 2 threads: the same model in fp32, the same token ids, Hugging Face's own
+  forward with ``labels`` (cross-entropy), backward, AdamW step. Sequences have equal lengths, so neither pays for
+  padding. Target: learner >= 0.9x the plain loop (streamrl's per-step overhead at this size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from benchmarks.common import format_table, write_result
+
+TARGETS = {"ratio_load_peak_whole_vs_sharded": (">=", 1.8), "ratio_train_learner_vs_plain": (">=", 0.9)}
+MODES = {
+    "quick": {"shape": "qwen2.5-small", "sequences": 8, "length": 256, "repeats": 3},
+    "full": {"shape": "qwen2.5-0.5b", "sequences": 4, "length": 256, "repeats": 3},
+}
+WORLD = 2
+
+
+def _rss_mb() -> float:
+    """Peak resident memory of this process so far, MB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _current_rss_mb() -> float:
+    with open(f"/proc/{os.getpid()}/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _sequences(count: int, length: int, vocab: int, seed: int = 0) -> list[Any]:
+    from learner.packing import TrainSequence
+
+    gen = torch.Generator().manual_seed(seed)
+    prompt = length // 4
+    out = length - prompt
+    return [
+        TrainSequence(
+            prompt_ids=torch.randint(1, vocab, (prompt,), generator=gen),
+            output_ids=torch.randint(1, vocab, (out,), generator=gen),
+            logprobs=-8.0 + 0.3 * torch.randn(out, generator=gen),
+            versions=torch.zeros(out, dtype=torch.long),
+            loss_mask=torch.ones(out),
+            advantages=float(torch.randn(1, generator=gen)),
+            index=i,
+        )
+        for i in range(count)
+    ]
+
+
+def _rank_job(rank: int, way: str, port: int, model_dir: str, spec: dict[str, Any], out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from learner.attention import register_packed_attention
+    from learner.distributed import init_distributed, shard_model
+    from learner.loading import load_sharded
+
+    info = init_distributed(timeout_s=600, threads=1)
+    attention = register_packed_attention()
+    from transformers import (
+        AutoModelForCausalLM,
+    )  # imported before the baseline reading, as the learner has it
+
+    result: dict[str, Any] = {"rss_before_mb": _current_rss_mb()}
+    started = time.perf_counter()
+    if way == "whole":
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation=attention
+        )
+        model = shard_model(model, info.device)
+    else:
+        model, report = load_sharded(Path(model_dir), info.device, attention=attention)
+        result["bytes_read"] = report.bytes_read
+        result["stored_bytes"] = report.stored_bytes
+    dist.barrier()
+    result["load_s"] = time.perf_counter() - started
+    result["rss_peak_mb"] = _rss_mb()
+    result["rss_after_mb"] = _current_rss_mb()
+    if way == "sharded":
+        result.update(_train_and_checkpoint(model, info, spec, Path(out) / "ckpt"))
+    torch.save(result, Path(out) / f"{way}-rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _train_and_checkpoint(model: Any, info: Any, spec: dict[str, Any], root: Path) -> dict[str, Any]:
+    from learner.checkpoint import CheckpointManager, CheckpointMeta
+    from learner.config import LearnerConfig
+    from learner.packing import plan_rows, rank_micro_batches, step_loss_units
+    from learner.step import train_step
+
+    config = LearnerConfig(micro_batch_tokens=spec["length"] * 2)
+    seqs = _sequences(spec["sequences"], spec["length"], spec["vocab"])
+    rows, plan = plan_rows(seqs, info.world_size, config.micro_batch_tokens, False)
+    mbs = rank_micro_batches(seqs, plan, info.rank, rows=rows)
+    normaliser = float(step_loss_units(seqs, config.loss.aggregation))
+    temps = [torch.ones(mb.input_ids.shape[0]) for mb in mbs]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    seconds = []
+    for repeat in range(spec["repeats"] + 1):  # the first step allocates AdamW's state: not timed
+        dist.barrier()
+        started = time.perf_counter()
+        train_step(model, optimizer, mbs, temps, config, normaliser, learner_version=0)
+        dist.barrier()
+        if repeat:
+            seconds.append(time.perf_counter() - started)
+    tokens = sum(s.length for s in seqs)
+    result: dict[str, Any] = {"train_seconds": seconds, "train_tokens": tokens}
+
+    manager = CheckpointManager(root, keep_last=1)
+    group = dist.new_group(backend="gloo")
+    waits: dict[str, list[float]] = {"sync": [], "async": []}
+    written: list[float] = []
+    for repeat in range(spec["repeats"]):
+        for way in ("sync", "async") if repeat % 2 == 0 else ("async", "sync"):
+            meta = CheckpointMeta(step=2 * repeat + (way == "async"), policy_version=0)
+            dist.barrier()
+            started = time.perf_counter()
+            if way == "sync":
+                manager.save(model, optimizer, meta)
+                waits["sync"].append(time.perf_counter() - started)
+            else:
+                pending = manager.save_async(model, optimizer, meta, group)
+                waits["async"].append(time.perf_counter() - started)
+                manager.finish(pending)
+                written.append(time.perf_counter() - started)
+    result.update(checkpoint_wait_s=waits, checkpoint_async_total_s=written)
+    return result
+
+
+def _spawn(way: str, model_dir: Path, spec: dict[str, Any], out: Path) -> list[dict[str, Any]]:
+    from broker.server import free_port
+
+    mp.spawn(_rank_job, args=(way, free_port(), str(model_dir), spec, str(out)), nprocs=WORLD, join=True)
+    return [torch.load(out / f"{way}-rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def plain_loop(model_dir: Path, spec: dict[str, Any], queue: Any) -> None:
+    """One process, 2 threads: the same token ids through Hugging Face's forward with labels, backward, AdamW."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(WORLD)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    seqs = _sequences(spec["sequences"], spec["length"], spec["vocab"])
+    ids = torch.stack([torch.cat([s.prompt_ids, s.output_ids]) for s in seqs])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    seconds = []
+    for repeat in range(spec["repeats"] + 1):
+        started = time.perf_counter()
+        for row in range(0, ids.shape[0], 2):  # two sequences per micro-batch, as the learner's token budget
+            batch = ids[row : row + 2]
+            model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if repeat:
+            seconds.append(time.perf_counter() - started)
+    queue.put({"train_seconds": seconds, "train_tokens": int(ids.numel())})
+
+
+def run(mode: str) -> dict[str, Any]:
+    from rollout_fleet.shapes import SHAPES, init_shaped_model
+
+    spec = dict(MODES[mode])
+    shape = SHAPES[spec["shape"]]
+    spec["vocab"] = shape.tokenizer_vocab
+    model_dir = init_shaped_model(spec["shape"])
+    with tempfile.TemporaryDirectory(prefix="model_scale-") as tmp:
+        out = Path(tmp)
+        print(f"load, whole model on each of {WORLD} ranks ...", file=sys.stderr)
+        whole = _spawn("whole", model_dir, spec, out)
+        print("load sharded, train steps, checkpoints ...", file=sys.stderr)
+        sharded = _spawn("sharded", model_dir, spec, out)
+    print("plain single-process loop ...", file=sys.stderr)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=plain_loop, args=(model_dir, spec, queue))
+    proc.start()
+    plain = queue.get(timeout=3600)
+    proc.join()
+
+    whole_peak = max(r["rss_peak_mb"] for r in whole)
+    sharded_peak = max(r["rss_peak_mb"] for r in sharded)
+    tokens = sharded[0]["train_tokens"]
+    learner_tps = tokens / statistics.median(sharded[0]["train_seconds"])
+    plain_tps = plain["train_tokens"] / statistics.median(plain["train_seconds"])
+    waits = sharded[0]["checkpoint_wait_s"]
+    results = {
+        "model": {"shape": spec["shape"], "parameters": shape.parameters(), "dir": str(model_dir)},
+        "load": {
+            "whole": [
+                {k: r[k] for k in ("rss_before_mb", "rss_peak_mb", "rss_after_mb", "load_s")} for r in whole
+            ],
+            "sharded": [
+                {k: r[k] for k in ("rss_before_mb", "rss_peak_mb", "rss_after_mb", "load_s", "bytes_read")}
+                for r in sharded
+            ],
+            "stored_bytes": sharded[0]["stored_bytes"],
+        },
+        "train": {
+            "tokens_per_step": tokens,
+            "learner_seconds": sharded[0]["train_seconds"],
+            "plain_seconds": plain["train_seconds"],
+        },
+        "checkpoint": {
+            "sync_wait_s": waits["sync"],
+            "async_wait_s": waits["async"],
+            "async_total_s": sharded[0]["checkpoint_async_total_s"],
+        },
+    }
+    headline = {
+        "load_peak_whole_mb": whole_peak,
+        "load_peak_sharded_mb": sharded_peak,
+        "ratio_load_peak_whole_vs_sharded": whole_peak / sharded_peak,
+        "learner_tokens_per_s": learner_tps,
+        "plain_tokens_per_s": plain_tps,
+        "ratio_train_learner_vs_plain": learner_tps / plain_tps,
+        "checkpoint_sync_wait_s": statistics.median(waits["sync"]),
+        "checkpoint_async_wait_s": statistics.median(waits["async"]),
+        "ratio_checkpoint_wait_sync_vs_async": statistics.median(waits["sync"])
+        / statistics.median(waits["async"]),
+    }
+    return {"params": spec, "results": results, "headline": headline, "model_dir": model_dir}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.model_scale", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="the small shape (qwen2.5-small), minutes")
+    parser.add_argument("--out", type=Path, required=True, help="results JSON")
+    args = parser.parse_args(argv)
+    mode = "quick" if args.quick else "full"
+    got = run(mode)
+    doc = write_result(
+        args.out,
+        "model_scale",
+        mode,
+        got["params"],
+        got["results"],
+        TARGETS,
+        got["headline"],
+        got["model_dir"],
+    )
+    rows = [[k, f"{v:.3g}" if isinstance(v, float) else v] for k, v in got["headline"].items()]
+    print(format_table(["measure", "value"], rows))
+    print(f"targets passed: {doc['passed']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
