@@ -36,10 +36,10 @@ from typing import Any
 import aiohttp
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from benchmarks.common import format_table, write_result
-from rollout_fleet.model import init_tiny_model
+from rollout_fleet.model import init_tiny_model, load_tokenizer
 
 TARGETS = {"ratio_vs_hf_generate": (">=", 1.5)}
 MODES = {
@@ -74,13 +74,14 @@ def _free_port() -> int:
 class EngineProcess:
     """``python -m rollout_fleet.engine`` on a free port; stopped with SIGTERM."""
 
-    def __init__(self, model: Path, batch: int) -> None:
+    def __init__(self, model: Path, batch: int, extra: tuple[str, ...] = ()) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
             sys.executable, "-m", "streamrl", "engine",
             f"--shared.model_path={model}", "--shared.torch_threads=1", f"--engine.port={self.port}",
             f"--engine.max_running_requests={batch}", f"--engine.max_context_len={CONTEXT}", "--engine.device=cpu",
+            *extra,
         ]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
@@ -187,7 +188,7 @@ def hf_pass(
 
 
 def load_hf(path: Path) -> tuple[Any, Any]:
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = load_tokenizer(path)  # the engine's own loading: a saved tokenizers object stays exactly that
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # ignore_eos on this side too: every batch runs to its max
@@ -197,11 +198,13 @@ def load_hf(path: Path) -> tuple[Any, Any]:
 # ----- driver ---------------------------------------------------------------------------------------------------
 
 
-async def run_passes(model_dir: Path, prompts: list[str], lengths: list[int], cfg: dict) -> tuple[list, list]:
+async def run_passes(
+    model_dir: Path, prompts: list[str], lengths: list[int], cfg: dict, engine_args: tuple[str, ...] = ()
+) -> tuple[list, list]:
     """Alternate engine and HF passes so that both see the same machine load (CPUs here are shared); the
     engine process idles (blocked on its queue, no CPU) while the HF pass runs."""
     model, tokenizer = load_hf(model_dir)
-    engine = EngineProcess(model_dir, cfg["batch"])
+    engine = EngineProcess(model_dir, cfg["batch"], engine_args)
     engine_runs, hf_runs = [], []
     try:
         connector = aiohttp.TCPConnector(limit=0)

@@ -65,13 +65,13 @@ def make_model_dir(root: Path, shape: dict) -> Path:
     return init_tiny_model(root / "model", TinyModelSpec(max_position_embeddings=1024, **shape))
 
 
-def start_engine(model_dir: Path) -> tuple[subprocess.Popen, str]:
+def start_engine(model_dir: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     from broker.server import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "streamrl", "engine", f"--shared.model_path={model_dir}", f"--engine.port={port}",
            f"--engine.control_timeout_s={TIMEOUT_S}", "--engine.max_total_tokens=4096",
-           "--engine.max_running_requests=4"]  # fmt: skip
+           "--engine.max_running_requests=4", *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -150,18 +150,23 @@ def merge_seconds(model: torch.nn.Module, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def run(mode: str, bucket_mb: float) -> tuple[dict, dict, dict]:
+def run(
+    mode: str, bucket_mb: float, model_dir: Path | None = None, repeats: int | None = None
+) -> tuple[dict, dict, dict]:
+    """``model_dir``: sync that model (benchmarks.model_scale's shaped one) instead of ``mode``'s; the engine then
+    serves it in fp32, as the learner holds it, so the log-prob check compares like with like."""
     from weight_sync.config import WeightSyncConfig
     from weight_sync.sender import WeightSender, sync_weights
 
     torch.set_num_threads(1)
     load_before = os.getloadavg()
-    spec = MODES[mode]
+    spec = {**MODES[mode], "repeats": repeats or MODES[mode]["repeats"]}
     root = Path(tempfile.mkdtemp(prefix="lora_sync_"))
     proc = None
     try:
-        model_dir = make_model_dir(root, spec["model"])
-        proc, url = start_engine(model_dir)
+        given = model_dir is not None
+        model_dir = model_dir if given else make_model_dir(root, spec["model"])
+        proc, url = start_engine(model_dir, ("--engine.dtype=float32",) if given else ())
         model = build_learner_model(model_dir, spec["rank"])
         base_params = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
         adapter_params = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
@@ -230,7 +235,7 @@ def run(mode: str, bucket_mb: float) -> tuple[dict, dict, dict]:
         "bucket_mb": bucket_mb,
         "load_format": cfg.resolved_load_format("gloo"),
         "repeats": spec["repeats"],
-        "model": spec["model"],
+        "model": str(model_dir) if given else spec["model"],
         "dtype": "float32",
         "backend": "gloo",
         "torch_threads": 1,

@@ -62,7 +62,7 @@ SHAPES = {
         vocab_size=151_936,
         max_position_embeddings=32_768,
     ),
-    # the same layout, about 30 M parameters: the benchmarks' quick mode and the tests
+    # the same layout, about 12 M parameters: the benchmarks' quick mode and the tests
     "qwen2.5-small": ModelShape(
         hidden_size=256,
         num_hidden_layers=4,

@@ -1,7 +1,7 @@
 """A real model's shape on this machine: ``streamrl model init --shape`` builds it offline (random weights, a byte-level
 BPE tokenizer trained here), and ``streamrl up`` trains it end to end.
 
-The fast tests use the small shape (~30 M parameters, the same layout); the ``slow`` one runs Qwen2.5-0.5B's shape
+The fast tests use the small shape (~12 M parameters, the same layout); the ``slow`` one runs Qwen2.5-0.5B's shape
 (494 M parameters, vocabulary 151,936) with one engine and two learner ranks for 3 steps on 2 cores.
 """
 
@@ -74,4 +74,7 @@ def test_up_trains_the_qwen25_05b_shape_for_three_steps(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["learner_steps"] >= 3, summary
+    assert summary["steps"] == 3 and summary["policy_version"] == 3, summary
+    assert summary["samples_trained"] == 3 * 2 * 2  # steps x groups x samples, from the engine's token ids
+    assert summary["audit"]["ok"] and summary["audit"]["trained_twice"] == 0 and summary["audit"]["lost"] == 0
+    assert summary["eval_after_is_final_policy"]
