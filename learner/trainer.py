@@ -220,9 +220,7 @@ class Learner:
         self.checkpoints = CheckpointManager(
             Path(shared.run_dir) / "checkpoints", keep_last=config.keep_checkpoints
         )
-        self._pending: PendingCheckpoint | None = (
-            None  # a checkpoint being written (learner.async_checkpoint)
-        )
+        self._pending: PendingCheckpoint | None = None  # being written (learner.async_checkpoint)
         # the background writer's collectives get a gloo group of their own, beside the training group's
         self._checkpoint_group = (
             dist.new_group(backend="gloo") if config.async_checkpoint and dist.is_initialized() else None
@@ -629,12 +627,15 @@ class Learner:
 
     def _poll_checkpoint(self) -> None:
         """Commit and acknowledge the checkpoint being written once every rank's writes have ended (a flag
-        all-reduced over the ranks, so all commit together); nothing when none is in flight."""
+        all-reduced over the ranks, so all commit together); nothing when none is in flight.
+
+        The flag goes over the training group, from this (the main) thread: the checkpoint group is the
+        background writer's, and two threads' collectives on one group could pair up differently on each rank."""
         if self._pending is None:
             return
-        written = torch.tensor([1 if self._pending.written() else 0])
+        written = torch.tensor([1 if self._pending.written() else 0], device=self.info.device)
         if self.info.world_size > 1:
-            dist.all_reduce(written, op=dist.ReduceOp.MIN, group=self._checkpoint_group)
+            dist.all_reduce(written, op=dist.ReduceOp.MIN)
         if written.item():
             self._finish_checkpoint()
 
