@@ -240,6 +240,17 @@ class CheckpointManager:
         torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
         return PendingCheckpoint(final, tmp, meta, future, time.monotonic())
 
+    def all_written(self, pending: PendingCheckpoint, device: torch.device | None = None) -> bool:
+        """Whether every rank's background writes of ``pending`` have ended: each rank's flag, MIN-all-reduced
+        over the default (training) group, so every rank gets the same answer and :meth:`finish` together.
+
+        Call it from the thread that runs the training collectives, never over the writer's group: two
+        threads' collectives on one group can pair up differently on each rank and deadlock."""
+        flag = torch.tensor([1 if pending.written() else 0], device=device or torch.device("cpu"))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
     def finish(self, pending: PendingCheckpoint) -> Path:
         """Wait for an asynchronous checkpoint's writes (re-raising a failed one) and commit it, as :meth:`save`
         commits: durable and renamed when this returns on every rank."""

@@ -626,17 +626,9 @@ class Learner:
             log.info("checkpoint %s durable; acknowledged %d entries", path.name, done)
 
     def _poll_checkpoint(self) -> None:
-        """Commit and acknowledge the checkpoint being written once every rank's writes have ended (a flag
-        all-reduced over the ranks, so all commit together); nothing when none is in flight.
-
-        The flag goes over the training group, from this (the main) thread: the checkpoint group is the
-        background writer's, and two threads' collectives on one group could pair up differently on each rank."""
-        if self._pending is None:
-            return
-        written = torch.tensor([1 if self._pending.written() else 0], device=self.info.device)
-        if self.info.world_size > 1:
-            dist.all_reduce(written, op=dist.ReduceOp.MIN)
-        if written.item():
+        """Commit and acknowledge the checkpoint being written once every rank's writes have ended (all ranks
+        learn it together); nothing when none is in flight."""
+        if self._pending is not None and self.checkpoints.all_written(self._pending, self.info.device):
             self._finish_checkpoint()
 
     def _finish_checkpoint(self) -> None:

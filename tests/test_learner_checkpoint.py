@@ -39,17 +39,24 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     info = init_distributed(timeout_s=60, threads=1)
     model = shard_model(AutoModelForCausalLM.from_pretrained(model_dir), info.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    manager = CheckpointManager(Path(out) / "ckpt", keep_last=2)
+    manager = CheckpointManager(Path(out) / "ckpt", keep_last=3)
     for step in range(1, 4):
         _train_step(model, opt, seed=step)
         ledger = [LedgerEntry(f"{step}-0", f"g{step}", "trained")]
         manager.save(model, opt, CheckpointMeta(step=step, policy_version=step + 10, ledger=ledger))
     saved = {n: t.clone() for n, t in full_parameters(model)}
-    # a background save: staged now, written while the next step changes the weights, committed after
-    pending = manager.save_async(
-        model, opt, CheckpointMeta(step=4, policy_version=14), dist.new_group(backend="gloo")
-    )
+    writer_group = dist.new_group(backend="gloo")
+    # a background save, polled as the learner polls, as often as possible while the writer thread runs its own
+    # collectives: a poll over the writer's group deadlocked (each rank paired the two threads' collectives
+    # differently); over the training group it cannot
+    pending = manager.save_async(model, opt, CheckpointMeta(step=4, policy_version=14), writer_group)
     uncommitted = sorted(p.name for p in (Path(out) / "ckpt").iterdir())
+    polls = 1
+    while not manager.all_written(pending):
+        polls += 1
+    manager.finish(pending)
+    # another: staged now, written while the next step changes the weights, committed after
+    pending = manager.save_async(model, opt, CheckpointMeta(step=5, policy_version=15), writer_group)
     _train_step(model, opt, seed=4)
     async_path = manager.finish(pending)
     manager.load(async_path, model, opt)
@@ -66,7 +73,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
         torch.save(
             {"saved": saved, "restored": restored, "after": after_restore, "step": meta.step,
              "version": meta.policy_version, "adam_steps": adam_steps, "ledger": [e.group_id for e in meta.ledger],
-             "uncommitted": uncommitted, "async_restored": async_restored},
+             "uncommitted": uncommitted, "async_restored": async_restored, "polls": polls},
             Path(out) / "result.pt",
         )  # fmt: skip
     dist.destroy_process_group()
@@ -82,9 +89,12 @@ def test_checkpoint_restore_prune_and_export(tmp_path: Path) -> None:
         assert torch.equal(tensor, result["restored"][name]), name
         # the background save holds the weights it was started with, not the step taken while it was written
         assert torch.equal(tensor, result["async_restored"][name]), name
-    assert result["uncommitted"] == ["LATEST", "step_00000002", "step_00000003", "step_00000004.tmp"]
+    assert result["polls"] >= 1
+    assert result["uncommitted"] == [
+        "LATEST", "step_00000001", "step_00000002", "step_00000003", "step_00000004.tmp",
+    ]  # fmt: skip
     kept = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    assert kept == ["LATEST", "step_00000003", "step_00000004"]
+    assert kept == ["LATEST", "step_00000003", "step_00000004", "step_00000005"]
 
     from transformers import AutoModelForCausalLM
 
@@ -97,6 +107,6 @@ def test_checkpoint_restore_prune_and_export(tmp_path: Path) -> None:
     from_checkpoint = AutoModelForCausalLM.from_pretrained(offline)
     for name, tensor in from_checkpoint.named_parameters():
         assert torch.equal(tensor.detach(), result["saved"][name]), name
-    assert checkpoint_of_step(tmp_path / "ckpt", None).name == "step_00000004"
-    with pytest.raises(ValueError, match=r"step = 1: .*there are \[3, 4\]"):
+    assert checkpoint_of_step(tmp_path / "ckpt", None).name == "step_00000005"
+    with pytest.raises(ValueError, match=r"step = 1: .*there are \[3, 4, 5\]"):
         checkpoint_of_step(tmp_path / "ckpt", 1)
