@@ -151,10 +151,15 @@ def merge_seconds(model: torch.nn.Module, repeats: int = 3) -> float:
 
 
 def run(
-    mode: str, bucket_mb: float, model_dir: Path | None = None, repeats: int | None = None
+    mode: str,
+    bucket_mb: float,
+    model_dir: Path | None = None,
+    repeats: int | None = None,
+    dtype: str = "float32",
 ) -> tuple[dict, dict, dict]:
-    """``model_dir``: sync that model (benchmarks.model_scale's shaped one) instead of ``mode``'s; the engine then
-    serves it in fp32, as the learner holds it, so the log-prob check compares like with like."""
+    """``model_dir``: sync that model (benchmarks.model_scale's shaped one) instead of ``mode``'s, to an engine
+    serving it in ``dtype``; a ``dtype`` other than float32 is also what the learner sends
+    (``weight_sync.send_dtype``), and the log-prob check then measures that rounding too."""
     from weight_sync.config import WeightSyncConfig
     from weight_sync.sender import WeightSender, sync_weights
 
@@ -166,11 +171,14 @@ def run(
     try:
         given = model_dir is not None
         model_dir = model_dir if given else make_model_dir(root, spec["model"])
-        proc, url = start_engine(model_dir, ("--engine.dtype=float32",) if given else ())
+        proc, url = start_engine(model_dir, (f"--engine.dtype={dtype}",) if given else ())
         model = build_learner_model(model_dir, spec["rank"])
         base_params = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
         adapter_params = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
-        cfg = WeightSyncConfig(bucket_mb=bucket_mb, timeout_s=TIMEOUT_S, master_address="127.0.0.1")
+        send_dtype = "auto" if dtype == "float32" else dtype
+        cfg = WeightSyncConfig(
+            bucket_mb=bucket_mb, timeout_s=TIMEOUT_S, master_address="127.0.0.1", send_dtype=send_dtype
+        )
         sender = WeightSender([url], cfg)
         sender.connect()
         version = 1
@@ -236,7 +244,7 @@ def run(
         "load_format": cfg.resolved_load_format("gloo"),
         "repeats": spec["repeats"],
         "model": str(model_dir) if given else spec["model"],
-        "dtype": "float32",
+        "dtype": dtype,
         "backend": "gloo",
         "torch_threads": 1,
     }

@@ -22,6 +22,8 @@ The model is ``streamrl model init --shape`` (random weights, bf16 on disk, noth
   one learner rank, 64 MiB buckets): the whole model (``merged``) against rank-16 LoRA adapters on the 7
   projections (``adapter``), alternated, the engine's log-probs checked against the learner's after each way.
   Target: the adapter sync faster (the tiny model's 1.26x was mostly fixed costs).
+* ``sync_bf16``: the same with the engine serving bf16 and the learner sending bf16 (``weight_sync.send_dtype``):
+  the 0.99 GB a bf16 deployment moves (no target; the log-prob gap then includes bf16 rounding).
 * ``train``: tokens/s of the learner's ``train_step`` (decoupled PPO, chunked loss, FSDP2 over the 2 ranks) against
   a plain loop in one process with 2 threads: the same model in fp32, the same token ids, Hugging Face's own
   forward with ``labels`` (cross-entropy), backward, AdamW step. Sequences have equal lengths, so neither pays for
@@ -57,7 +59,7 @@ MODES = {
     "full": {"shape": "qwen2.5-0.5b", "sequences": 4, "length": 256, "repeats": 3,
              "engine": {"requests": 32, "batch": 16, "repeats": 2, "max_new_tokens": 64}, "sync_repeats": 3},
 }  # fmt: skip
-PARTS = ("learner", "engine", "sync")
+PARTS = ("learner", "engine", "sync", "sync_bf16")
 WORLD = 2
 
 
@@ -241,21 +243,25 @@ def run(mode: str, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
             hf_generate_tokens_per_s=engine["hf_generate"]["tokens_per_s"],
             ratio_engine_vs_hf_generate=engine["ratio_vs_hf_generate"],
         )
-    if "sync" in parts:
+    for part, dtype, prefix in (("sync", "float32", "sync"), ("sync_bf16", "bfloat16", "sync_bf16")):
+        if part not in parts:
+            continue
         from benchmarks import lora_sync
 
-        print("weight sync: whole model against LoRA adapters ...", file=sys.stderr)
+        print(f"weight sync ({dtype}): whole model against LoRA adapters ...", file=sys.stderr)
         params, sync, sync_headline = lora_sync.run(
-            "quick", 64.0, model_dir=model_dir, repeats=spec["sync_repeats"]
+            "quick", 64.0, model_dir=model_dir, repeats=spec["sync_repeats"], dtype=dtype
         )
-        results["sync"] = {"params": params, **sync}
+        results[part] = {"params": params, **sync}
         headline.update(
-            sync_full_seconds=sync_headline["full_seconds"],
-            sync_full_bytes=sync_headline["full_bytes"],
-            sync_adapter_seconds=sync_headline["adapter_seconds"],
-            sync_adapter_bytes=sync_headline["adapter_bytes"],
-            ratio_sync_full_vs_adapter=sync_headline["seconds_ratio_vs_full"],
-            sync_engine_matches_learner=sync["engine_matches_learner"],
+            {
+                f"{prefix}_full_seconds": sync_headline["full_seconds"],
+                f"{prefix}_full_bytes": sync_headline["full_bytes"],
+                f"{prefix}_adapter_seconds": sync_headline["adapter_seconds"],
+                f"{prefix}_adapter_bytes": sync_headline["adapter_bytes"],
+                f"ratio_{prefix}_full_vs_adapter": sync_headline["seconds_ratio_vs_full"],
+                f"{prefix}_max_logprob_gap": max(sync["max_logprob_gap"].values()),
+            }
         )
     return {
         "params": {**spec, "parts": list(parts)},
