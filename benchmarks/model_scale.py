@@ -9,7 +9,9 @@ The model is ``streamrl model init --shape`` (random weights, bf16 on disk, noth
 * ``load``: each rank's peak resident memory (VmHWM) after building its FSDP2 fp32 policy, the
   whole-model path (``from_pretrained`` on every rank, then ``fully_shard``: the learner before sharded loading)
   against sharded loading (``learner.loading``: meta device, shard, each rank reads its rows). Also each rank's
-  memory after imports, before loading. Target: whole peak >= 1.8x sharded peak.
+  memory after imports, before loading. Target: whole peak >= 1.8x sharded peak. Beside them, the other way to
+  fill the shards: rank 0 reads the whole state dict and ``set_model_state_dict(broadcast_from_rank0=True)``
+  sends each rank its part (peak memory and seconds of both, to choose between them).
 * ``checkpoint``: the seconds a step waits for a checkpoint of the policy and its AdamW state: ``save`` (written,
   fsynced and committed before training goes on) against ``save_async`` (training waits for the copy to host
   memory only; the write and commit follow), and how long the background write took. Alternated, ``repeats``
@@ -116,6 +118,8 @@ def _rank_job(rank: int, way: str, port: int, model_dir: str, spec: dict[str, An
             model_dir, dtype=torch.float32, attn_implementation=attention
         )
         model = shard_model(model, info.device)
+    elif way == "broadcast":
+        model = _broadcast_load(Path(model_dir), info, attention)
     else:
         model, report = load_sharded(Path(model_dir), info.device, attention=attention)
         result["bytes_read"] = report.bytes_read
@@ -128,6 +132,36 @@ def _rank_job(rank: int, way: str, port: int, model_dir: str, spec: dict[str, An
         result.update(_train_and_checkpoint(model, info, spec, Path(out) / "ckpt"))
     torch.save(result, Path(out) / f"{way}-rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def _broadcast_load(model_dir: Path, info: Any, attention: str) -> Any:
+    """The other way the issue names: the sharded skeleton as ``load_sharded`` builds it, then rank 0 reads the
+    whole state dict and torch's distributed state-dict API broadcasts it (``broadcast_from_rank0``), each rank
+    keeping its shards; the buffers computed at construction are put back as ``load_sharded`` does."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from learner.distributed import shard_model
+    from learner.loading import parameters_on_meta
+
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(model_dir), dtype=torch.float32, attn_implementation=attention
+        )
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    model = shard_model(model, info.device)
+    model.to_empty(device=info.device)
+    state: dict[str, torch.Tensor] = {}
+    if info.rank == 0:
+        for path in sorted(model_dir.glob("*.safetensors")):
+            state.update({k: v.float() for k, v in load_file(str(path)).items()})
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(model, state, options=options)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+    return model
 
 
 def _train_and_checkpoint(model: Any, info: Any, spec: dict[str, Any], root: Path) -> dict[str, Any]:
@@ -277,6 +311,8 @@ def learner_part(model_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
         out = Path(tmp)
         print(f"load, whole model on each of {WORLD} ranks ...", file=sys.stderr)
         whole = _spawn("whole", model_dir, spec, out)
+        print("load, rank 0 reads and broadcasts ...", file=sys.stderr)
+        broadcast = _spawn("broadcast", model_dir, spec, out)
         print("load sharded, train steps, checkpoints ...", file=sys.stderr)
         sharded = _spawn("sharded", model_dir, spec, out)
     print("plain single-process loop ...", file=sys.stderr)
@@ -297,6 +333,7 @@ def learner_part(model_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
     results = {
         "load": {
             "whole": [{k: r[k] for k in load_keys} for r in whole],
+            "broadcast": [{k: r[k] for k in load_keys} for r in broadcast],
             "sharded": [{k: r[k] for k in (*load_keys, "bytes_read")} for r in sharded],
             "stored_bytes": sharded[0]["stored_bytes"],
         },
@@ -315,6 +352,9 @@ def learner_part(model_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
         "load_peak_whole_mb": whole_peak,
         "load_peak_sharded_mb": sharded_peak,
         "ratio_load_peak_whole_vs_sharded": whole_peak / sharded_peak,
+        "load_peak_broadcast_mb": max(r["rss_peak_mb"] for r in broadcast),
+        "load_seconds_sharded": max(r["load_s"] for r in sharded),
+        "load_seconds_broadcast": max(r["load_s"] for r in broadcast),
         # what loading added to a rank's memory (its peak less what it held after the imports)
         "load_added_whole_mb": max(r["rss_peak_mb"] - r["rss_before_mb"] for r in whole),
         "load_added_sharded_mb": max(r["rss_peak_mb"] - r["rss_before_mb"] for r in sharded),
