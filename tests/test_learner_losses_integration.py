@@ -58,14 +58,16 @@ def test_each_policy_loss_trains_one_step(
     assert metrics["samples"] == 4.0
 
 
-@pytest.mark.parametrize("kl_mode", ["loss", "reward"])
+@pytest.mark.parametrize(("kl_mode", "offload"), [("loss", False), ("reward", True)])
 def test_trust_region_reference_kl_entropy_and_schedule_on_two_ranks(
-    kl_mode: str, tmp_path: Path, redis_url: str
+    kl_mode: str, offload: bool, tmp_path: Path, redis_url: str
 ) -> None:
     """Two gloo ranks, two minibatches per step (proximal pass, then two updates), the FSDP2-sharded frozen
     reference and an entropy bonus, under a cosine schedule: every collective lines up, the reference KL is
     positive (the second update of the first step already runs on moved weights), and the learning rate decays.
-    As a reward penalty the KL is 0 at the first step: its tokens were sampled by the reference itself."""
+    As a reward penalty the KL is 0 at the first step: its tokens were sampled by the reference itself; that case
+    keeps the reference's shards in host memory (learner.reference_offload), so the 0 also says the offloaded
+    reference computes what the policy it was loaded as computes."""
     model_dir = init_tiny_model(tmp_path / "model")
     groups = sample_groups(str(model_dir), 4, 2, version=0, max_new_tokens=8)
     for group in groups:
@@ -78,6 +80,7 @@ def test_trust_region_reference_kl_entropy_and_schedule_on_two_ranks(
         "--learner.export_at_end=false", "--learner.ppo_minibatches=2", "--learner.lr=0.05",
         "--learner.lr_schedule=cosine", "--learner.lr_decay_steps=2", "--learner.loss.kl_coef=0.5",
         f"--learner.loss.kl_mode={kl_mode}", "--learner.loss.entropy_coef=0.01",
+        f"--learner.reference_offload={str(offload).lower()}",
     )  # fmt: skip
     out, _ = proc.communicate(timeout=80)
     assert proc.returncode == 0, out
