@@ -67,14 +67,22 @@ class ProcessRecord:
         return cls(name, pid, start_time(pid))
 
     def alive(self) -> bool:
-        """Still the same process (same pid, same start time), and not a zombie."""
+        """Still the same process (same pid, same start time), and not a zombie whose every thread has ended.
+
+        A killed process's main thread can be a zombie while another of its threads is still exiting (Redis's
+        background thread blocked in an fsync of the AOF, under disk load, for seconds): that thread still holds
+        the process's files, its listening socket and its AOF among them, so the process is not gone yet."""
         if self.started is None or start_time(self.pid) != self.started:
             return False
         try:
             state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state != "Z":
+                return True
+            return (
+                len(os.listdir(f"/proc/{self.pid}/task")) > 1
+            )  # the zombie leader, and threads still exiting
         except OSError:
             return False
-        return state != "Z"
 
 
 def write_records(path: Path, records: Iterable[ProcessRecord]) -> None:

@@ -129,6 +129,46 @@ def test_the_server_dies_with_its_owner_and_a_leftover_is_stopped(tmp_path: Path
             assert redis.Redis.from_url(second.url).get("k") == b"kept"
 
 
+# The main thread ends alone (the exit system call, not exit_group) while another thread, like Redis's background
+# thread blocked in an fsync, still runs and so still holds the process's listening socket. Waits for a line on
+# stdin before that thread ends.
+ZOMBIE_LEADER = """
+import ctypes, platform, socket, sys, threading
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(("127.0.0.1", 0))
+server.listen()
+print(server.getsockname()[1], flush=True)
+threading.Thread(target=sys.stdin.readline).start()
+exit_thread = {"x86_64": 60, "aarch64": 93}[platform.machine()]
+ctypes.CDLL(None).syscall(exit_thread, 0)
+"""
+
+
+def test_a_process_whose_main_thread_is_a_zombie_is_alive_while_a_thread_holds_its_files() -> None:
+    """CI failed once on the test above: the restarted server found its port taken and chose another. The killed
+    server's main thread was a zombie, which read as dead, while a thread still exiting held the port."""
+    from broker.lifecycle import ProcessRecord
+    from broker.server import port_is_free
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", ZOMBIE_LEADER], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert child.stdin is not None and child.stdout is not None
+    port = int(child.stdout.readline())
+    record = ProcessRecord.of("zombie-leader", child.pid)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the main thread did not end"
+        time.sleep(0.02)
+    assert not port_is_free("127.0.0.1", port)  # its other thread still holds the socket
+    assert record.alive()
+    child.stdin.write(b"end\n")
+    child.stdin.flush()
+    child.wait(timeout=10)
+    assert not record.alive() and port_is_free("127.0.0.1", port)
+
+
 def test_a_port_taken_by_another_process_gets_a_new_one(tmp_path: Path) -> None:
     import socket
 
