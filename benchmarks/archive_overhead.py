@@ -36,7 +36,7 @@ GROUP_SIZE = 8  # the default recipe's samples per prompt
 
 def archive_figures(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     """Rows in the archive (parts + pending snapshot) against the samples the run produced, and bytes/sample."""
-    from broker.archive import PENDING_FILE, part_paths, read_archive
+    from archiver.archive import PENDING_FILE, part_paths, read_archive
 
     directory = run_dir / "archive"
     rows = read_archive(directory, include_pending=True, columns=["group_id"]).num_rows

@@ -40,11 +40,12 @@ from benchmarks.common import format_table, write_result
 from broker.client import connect
 from broker.codec import decode as codec_decode
 from broker.codec import encode
-from broker.config import BrokerConfig, RedisServerConfig, SharedConfig
+from broker.config import BrokerConfig, RedisServerConfig
 from broker.consumer import Consumer
 from broker.producer import Producer
 from broker.record import Sample, TrajectoryGroup, synthetic_group
 from broker.server import EmbeddedRedis
+from common.config import SharedConfig
 
 SIZES = (1024, 8192, 32768)
 NUM_SAMPLES = 8

@@ -46,9 +46,9 @@ import redis
 
 from benchmarks.common import one_in_a_thousand, write_partial, write_result
 from benchmarks.load import SuiteLoad
-from broker.config import SharedConfig
-from broker.lifecycle import ProcessRecord, read_records
 from broker.metrics import metrics_key
+from common.config import SharedConfig
+from common.lifecycle import ProcessRecord, read_records
 
 STEPS = 30
 KILL_AT = 12  # checkpoints at 5, 10, 15, ...: a learner killed here goes back to step 10

@@ -73,7 +73,7 @@ NEVER_CARRY = re.compile(r"(torch|triton|nvidia-.+|cuda-.+)")
 EXCLUDED: dict[str, str] = {
     "wandb": (
         "optional at run time: imported lazily inside try/except ImportError (learner/trainer.py _init_wandb, "
-        "broker/archive.py upload_artifact); without it the learner logs a warning and its metrics go to Redis "
+        "archiver/archive.py upload_artifact); without it the learner logs a warning and its metrics go to Redis "
         "only. Run the check's `up` with --learner.wandb_mode=disabled. Its wheel alone is 20.3 MB (0.31.0, "
         "manylinux_2_28) and it pulls opentelemetry-*, cwevals, platformdirs and protobuf<8"
     ),

@@ -806,7 +806,7 @@ async def _sglang_fleet(work: Path) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from broker.config import SharedConfig
+    from common.config import SharedConfig
     from rollout_fleet.client import EngineClient, SamplingConfig, build_generate_request
     from rollout_fleet.config import EngineConfig
     from rollout_fleet.fleet import Fleet

@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 
 from benchmarks.common import format_table, write_result
-from broker.config import SharedConfig
+from common.config import SharedConfig
 from rollout_fleet.client import EngineClient, SamplingConfig, build_generate_request, build_group_request
 from rollout_fleet.config import EngineConfig
 from rollout_fleet.fleet import Fleet

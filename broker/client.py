@@ -20,7 +20,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
 
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
+from common.config import SharedConfig
 
 BACKOFF_CAP_S = 2.0
 
@@ -132,7 +133,7 @@ class BrokerKeys:
     )
     control: str  # control stream of version announcements (also the pub/sub channel name)
     archive_recent: str  # list of the latest samples the archiver read, JSON (the dashboard's live viewer)
-    archive_status: str  # hash: the archiver's counters and its last error (broker.archive)
+    archive_status: str  # hash: the archiver's counters and its last error (archiver.archive)
 
     @classmethod
     def of(cls, shared: SharedConfig, config: BrokerConfig) -> BrokerKeys:

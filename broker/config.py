@@ -1,60 +1,12 @@
-"""Config sections owned by the broker: the shared section every role reads, the embedded Redis server, and
-the stream transport. Every field carries a one-line doc that ``streamrl <role> --help`` shows."""
+"""Config sections owned by the broker: the embedded Redis server and the stream transport. Every field carries a one-line doc that ``streamrl <role> --help`` shows."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from broker.configlib import Section
-
-
-class SharedConfig(Section):
-    """What several roles must agree on. The application package fills it in once."""
-
-    run_id: str = Field(
-        "default", description="Run name; prefixes every Redis key so runs can share a server."
-    )
-    run_dir: Path = Field(
-        Path("runs/default"), description="Directory for logs, checkpoints, exports, metrics."
-    )
-    redis_url: str | None = Field(
-        None,
-        description="URL of an existing Redis (also read from REDIS_URL); unset starts the embedded server.",
-    )
-    eta: int = Field(1, ge=0, description="Staleness bound in policy versions; 0 is synchronous on-policy.")
-    model_path: Path | None = Field(None, description="Hugging Face model directory served and trained.")
-    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per process on CPU.")
-    devices: str = Field(
-        "auto",
-        description="GPUs the run may use: auto (the visible ones, else the CPU), cpu, or ids like '0,1,2,3'.",
-    )
-
-    @field_validator("devices", mode="before")
-    @classmethod
-    def _device_ids_as_text(cls, value: object) -> object:
-        # `--shared.devices=0` parses as the integer 0, a TOML list as a list: both mean GPU ids
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int):
-            return str(value)
-        if isinstance(value, list | tuple):
-            return ",".join(str(v) for v in value)
-        return value
-
-    placement: Literal["disaggregated", "colocated"] = Field(
-        "disaggregated",
-        description="disaggregated: learner and engines on their own GPUs; colocated: engines on the learner's.",
-    )
-    http_timeout_s: float = Field(
-        30.0, gt=0, description="Timeout of every HTTP call between roles, seconds."
-    )
-
-    def key(self, name: str) -> str:
-        """The Redis key ``name`` inside this run's namespace."""
-        return f"streamrl:{self.run_id}:{name}"
+from common.configlib import Section
 
 
 class RedisServerConfig(Section):
@@ -142,47 +94,3 @@ class BrokerConfig(Section):
         True,
         description="Let glibc keep freed payload-sized buffers for reuse (see broker.client.tune_allocator).",
     )
-
-
-class ArchiveConfig(Section):
-    """The trajectory archive (``streamrl archive``): every group of the stream, with its learner outcome, in
-    Parquet files under the run directory."""
-
-    enabled: bool = Field(
-        True,
-        description="Run the archiver under `streamrl up` (its consumer group holds entries until archived).",
-    )
-    dir: Path | None = Field(None, description="Directory of the Parquet parts; default RUN_DIR/archive.")
-    part_bytes: int = Field(
-        64 * 2**20, ge=1, description="Roll to a new Parquet part once this many bytes of rows are waiting."
-    )
-    flush_s: float = Field(
-        30.0,
-        gt=0,
-        description="Longest a finished group waits in memory before its part is written, seconds.",
-    )
-    poll_s: float = Field(
-        1.0,
-        gt=0,
-        description="The archiver reads the stream and the learner's outcomes once per this many seconds.",
-    )
-    read_count: int = Field(
-        512, ge=1, description="Most entries the archiver reads from the stream in one round."
-    )
-    recent: int = Field(
-        24, ge=0, description="Latest samples kept in Redis for the dashboard's live sample viewer (0: none)."
-    )
-    nice: int = Field(
-        19,
-        ge=0,
-        le=19,
-        description="Nice increment of the archiver process, so it never takes CPU from the learner.",
-    )
-    wandb_artifact: bool = Field(
-        True,
-        description="Upload the archive as a wandb artifact when the run ends (when learner.wandb_mode is on).",
-    )
-
-    def directory(self, shared: SharedConfig) -> Path:
-        """Where the parts are written."""
-        return Path(self.dir) if self.dir is not None else Path(shared.run_dir) / "archive"

@@ -38,10 +38,11 @@ from redis.exceptions import ResponseError
 
 from broker.client import BrokerKeys, connection_stats
 from broker.codec import decode
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.outcomes import RECORDS_LUA, Outcome
 from broker.record import KNOWN_SCHEMA_VERSIONS, RecordError, TrajectoryGroup
 from broker.staleness import COUNTERS_LUA
+from common.config import SharedConfig
 
 # Stream ids compared as (milliseconds, sequence): parse and less, for the scripts below.
 STREAM_ID_LUA = """

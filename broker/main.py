@@ -11,8 +11,9 @@ from collections.abc import Collection
 import redis
 
 from broker.client import CLIENT_NAME
-from broker.config import RedisServerConfig, SharedConfig
+from broker.config import RedisServerConfig
 from broker.server import EmbeddedRedis, RedisServerError
+from common.config import SharedConfig
 
 log = logging.getLogger("streamrl.redis")
 
@@ -87,7 +88,7 @@ def _wait_for_clients_to_leave(url: str, timeout_s: float) -> None:
 def _start_metrics(host: str, port: int | None, url: str):  # noqa: ANN202 - MetricsServer | None
     if not port:
         return None
-    from broker.prometheus import redis_info_source, start_metrics_server
+    from common.prometheus import redis_info_source, start_metrics_server
 
     try:
         return start_metrics_server(host, port, "redis", redis_info_source(url, client_name=OWN_CLIENT_NAME))

@@ -21,7 +21,9 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from broker.client import BrokerKeys
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
+from common.config import SharedConfig
+from common.numbers import parse_number
 
 # Counter names (fields of the counters hash). Dead letters and drops also count per reason:
 # "dead_lettered:<reason>", "dropped:<reason>". Producers count under "producer:<id>:<name>".
@@ -51,19 +53,6 @@ METRICS_PREFIX = "metrics:"  # + role: the per-role metrics stream (under the ru
 def metrics_key(shared: SharedConfig, role: str = "") -> str:
     """The metrics stream of ``role`` (``role`` empty: the prefix every role's stream starts with)."""
     return shared.key(f"{METRICS_PREFIX}{role}")
-
-
-def parse_number(raw: bytes | str) -> float | int | str:
-    """A stored number as an int or a float (the text itself when it is neither): how every reader of the
-    metrics streams and the counters hashes turns Redis' strings back into numbers."""
-    text = raw.decode() if isinstance(raw, bytes) else raw
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            return text
 
 
 def _text(raw: Any) -> str:

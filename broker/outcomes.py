@@ -32,7 +32,8 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from broker.client import BrokerKeys
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
+from common.config import SharedConfig
 
 OUTCOMES = ("trained", "dropped", "dead_lettered")
 

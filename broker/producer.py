@@ -25,9 +25,10 @@ from redis.exceptions import NoScriptError
 
 from broker.client import BrokerKeys
 from broker.codec import encode_buffer
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.metrics import producer_field
 from broker.record import SCHEMA_VERSION, TrajectoryGroup
+from common.config import SharedConfig
 
 _SEND = """
 -- KEYS: 1 group-id hash, 2 backlog counter, 3 stream, 4 counters hash, 5 payload key (by-reference sends)

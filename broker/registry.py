@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 import redis
 import redis.asyncio as aioredis
 
-from broker.config import SharedConfig
+from common.config import SharedConfig
 
 HEALTH_STATES = ("unknown", "starting", "healthy", "unhealthy", "dead", "stopped")
 

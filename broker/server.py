@@ -22,7 +22,7 @@ from pathlib import Path
 import redis
 
 from broker.config import RedisServerConfig
-from broker.lifecycle import ProcessRecord, die_with_parent, read_records, stop_leftovers, write_records
+from common.lifecycle import ProcessRecord, die_with_parent, read_records, stop_leftovers, write_records
 
 log = logging.getLogger("streamrl.redis")
 

@@ -39,7 +39,7 @@ from typing import Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from broker.config import SharedConfig
+from common.config import SharedConfig
 
 
 @dataclass(frozen=True)

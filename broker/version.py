@@ -20,8 +20,9 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from broker.client import BrokerKeys
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.staleness import Lineage, ResumePoint
+from common.config import SharedConfig
 
 CONTROL_MAXLEN = 10_000  # the control stream is trimmed approximately; the version key is the truth
 

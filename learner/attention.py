@@ -41,7 +41,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from broker.configlib import ConfigError
+from common.configlib import ConfigError
 
 AttentionKernel = Literal["auto", "sdpa", "flash_varlen"]
 PACKED_ATTENTION = "streamrl_packed"

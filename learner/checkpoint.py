@@ -46,8 +46,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from broker.lifecycle import crash_point
 from broker.outcomes import Outcome
+from common.lifecycle import crash_point
 from learner.lora import merged_state_dict
 
 LATEST = "LATEST"
@@ -208,7 +208,7 @@ class CheckpointManager:
         """Write a complete checkpoint, committed (and durable) when this returns on every rank.
 
         Every file is fsynced before the rename, so the renamed directory is whole after a power loss too; the
-        ``checkpoint.before_commit`` and ``checkpoint.committed`` crash points (broker.lifecycle) sit on either
+        ``checkpoint.before_commit`` and ``checkpoint.committed`` crash points (common.lifecycle) sit on either
         side of the rename for the tests that kill the learner there."""
         final, tmp = self._begin(meta)
         model_sd, optim_sd = get_state_dict(model, optimizer)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from broker.configlib import Section
+from common.configlib import Section
 
 PolicyLossName = Literal["ppo", "decoupled_ppo", "tis", "icepop", "gspo"]
 Aggregation = Literal["token-mean", "seq-mean", "seq-mean-token-sum"]

@@ -18,7 +18,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from broker.configlib import ConfigError
+from common.configlib import ConfigError
 from learner.config import MixedPrecision
 from weight_sync.sender import hf_name
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from broker.configlib import ConfigError
 from broker.consumer import Consumer, Delivery
-from broker.lifecycle import crash_point
 from broker.record import TrajectoryGroup
 from broker.staleness import CounterError, Lineage, StalenessManager, check_staleness
+from common.configlib import ConfigError
+from common.lifecycle import crash_point
 from learner.advantages import compute_advantages, zero_signal_groups
 from learner.checkpoint import ALREADY_CONTAINED, LedgerEntry
 from learner.config import LearnerConfig

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from broker.configlib import ConfigError
+from common.configlib import ConfigError
 from learner.distributed import shard_model
 from learner.lora import apply_lora
 from weight_sync.lora import lora_layers

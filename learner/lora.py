@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from broker.configlib import ConfigError
+from common.configlib import ConfigError
 from weight_sync.lora import lora_layers, merge_delta
 
 if TYPE_CHECKING:

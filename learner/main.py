@@ -11,12 +11,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.config import BrokerConfig, SharedConfig
-from broker.configlib import ConfigError
-from broker.cpus import pin_to_cpus
-from broker.discovery import resolve_redis_url
-from broker.lifecycle import die_with_parent
+from broker.config import BrokerConfig
 from broker.server import free_port
+from common.config import SharedConfig
+from common.configlib import ConfigError
+from common.cpus import pin_to_cpus
+from common.discovery import resolve_redis_url
+from common.lifecycle import die_with_parent
 from learner.checkpoint import CheckpointDirNotShared, check_shared_directory
 from learner.config import LearnerConfig
 from learner.distributed import init_distributed

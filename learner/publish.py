@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import redis
 from torch import nn
 
-from broker.config import SharedConfig
 from broker.registry import read_registry
+from common.config import SharedConfig
 from weight_sync.config import WeightSyncConfig
 from weight_sync.sender import WeightSender, sync_weights
 

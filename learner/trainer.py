@@ -25,13 +25,14 @@ import torch.distributed as dist
 from torch import nn
 
 from broker.client import LEARNER_CLIENT_NAME, connect
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.consumer import Consumer
-from broker.lifecycle import crash_point
 from broker.metrics import MetricsWriter
 from broker.record import TrajectoryGroup
 from broker.staleness import Lineage, RedisCounters, StalenessManager, staleness_stats
 from broker.version import PolicyVersion
+from common.config import SharedConfig
+from common.lifecycle import crash_point
 from learner.attention import register_packed_attention, resolve_attention_kernel
 from learner.checkpoint import CheckpointManager, CheckpointMeta, LedgerEntry, PendingCheckpoint, export_hf
 from learner.config import LearnerConfig

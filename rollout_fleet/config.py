@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from broker.configlib import Section
+from common.configlib import Section
 from rollout_fleet.sandbox import SandboxConfig
 from rollout_fleet.tasks.config import RewardConfig, TaskConfig
 

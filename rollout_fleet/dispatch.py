@@ -47,10 +47,11 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from broker.client import BrokerKeys
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.outcomes import RECORDS_LUA, Outcome
 from broker.record import make_group_id
 from broker.staleness import COUNTERS_LUA, StalenessManager
+from common.config import SharedConfig
 
 OUTCOMES = ("produced", "dropped")
 ATTEMPT = (

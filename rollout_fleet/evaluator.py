@@ -36,11 +36,12 @@ import aiohttp
 from pydantic import Field, field_validator
 
 from broker.client import connect
-from broker.config import BrokerConfig, SharedConfig
-from broker.configlib import Section
-from broker.discovery import resolve_redis_url
+from broker.config import BrokerConfig
 from broker.metrics import MetricsReader, MetricsWriter
 from broker.version import PolicyVersion
+from common.config import SharedConfig
+from common.configlib import Section
+from common.discovery import resolve_redis_url
 from rollout_fleet.client import (
     EngineClient,
     SamplingConfig,

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import aiohttp
 
-from broker.config import SharedConfig
 from broker.registry import EngineRegistry, engine_id_for
+from common.config import SharedConfig
 from rollout_fleet.client import EngineClient, wait_until_healthy
 from rollout_fleet.config import EngineConfig
 

@@ -31,13 +31,14 @@ import redis.asyncio as aioredis
 import uvloop
 
 from broker.client import connect
-from broker.config import BrokerConfig, SharedConfig
-from broker.configlib import ConfigError
-from broker.discovery import RedisNotFound, resolve_redis_url
+from broker.config import BrokerConfig
 from broker.metrics import MetricsWriter
 from broker.producer import Producer
 from broker.registry import EngineRegistry
 from broker.staleness import RedisCounters, StalenessManager
+from common.config import SharedConfig
+from common.configlib import ConfigError
+from common.discovery import RedisNotFound, resolve_redis_url
 from rollout_fleet.config import EngineConfig, RolloutConfig
 from rollout_fleet.dispatch import DispatchMismatch, PromptDispatcher
 from rollout_fleet.envs.base import EnvironmentTask

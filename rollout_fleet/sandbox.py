@@ -33,7 +33,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from broker.configlib import Section
+from common.configlib import Section
 
 log = logging.getLogger(__name__)
 

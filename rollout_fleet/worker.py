@@ -45,12 +45,13 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from broker.client import BrokerKeys
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.metrics import RUN_INFO_KEY, MetricsWriter
 from broker.producer import BackpressureTimeout, Producer
 from broker.record import RecordError, Sample, TrajectoryGroup
 from broker.staleness import StalenessManager
 from broker.version import PolicyVersion
+from common.config import SharedConfig
 from rollout_fleet.client import (
     EngineUnavailable,
     GenerateResult,

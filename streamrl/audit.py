@@ -18,10 +18,10 @@ from pathlib import Path
 import redis
 
 from broker.client import connect
-from broker.configlib import ConfigError, load_config
-from broker.discovery import RedisNotFound, resolve_redis_url, url_file
 from broker.outcomes import AuditReport, audit, format_audit
 from broker.server import EmbeddedRedis
+from common.configlib import ConfigError, load_config
+from common.discovery import RedisNotFound, resolve_redis_url, url_file
 from streamrl.config import StreamRLConfig
 
 USAGE = """usage: streamrl audit RUN_DIR [--json]

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.configlib import ConfigError, dump_config, render_help
+from common.configlib import ConfigError, dump_config, render_help
 from streamrl.config import StreamRLConfig, load
 
 USAGE = """usage: streamrl COMMAND [--config FILE.toml] [--section.field=value ...]
@@ -126,7 +126,7 @@ def _run_eval(config: StreamRLConfig) -> int:
 
 
 def _run_archive(config: StreamRLConfig) -> int:
-    from broker.archive import run_archive
+    from archiver.archive import run_archive
 
     return run_archive(config.shared, config.broker, config.archive, config.learner.wandb_mode)
 

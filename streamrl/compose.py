@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from broker.configlib import ConfigError
+from common.configlib import ConfigError
 from rollout_fleet.fleet import sglang_server_args
 from streamrl.config import StreamRLConfig, load
 from streamrl.devices import DevicePlan, plan_for

@@ -8,8 +8,10 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from broker.config import ArchiveConfig, BrokerConfig, RedisServerConfig, SharedConfig
-from broker.configlib import Section, load_config
+from archiver.config import ArchiveConfig
+from broker.config import BrokerConfig, RedisServerConfig
+from common.config import SharedConfig
+from common.configlib import Section, load_config
 from learner.config import LearnerConfig
 from rollout_fleet.config import EngineConfig, RolloutConfig
 from rollout_fleet.evaluator import EvalConfig

@@ -20,7 +20,7 @@ JSON API (GET only; non-finite numbers are sent as null, since JSON has none):
 - ``/api/series?role=R&since=ID&limit=N``: points of role R newer than entry id ID (exclusive), oldest first,
   at most N (``more`` says whether more wait); without ``since``, the newest N. Each point is
   ``{"id", "values"}`` with the values exactly as the writer stored them;
-- ``/api/samples?limit=N``: the latest trajectories the archiver read (broker.archive: prompt, each completion
+- ``/api/samples?limit=N``: the latest trajectories the archiver read (archiver.archive: prompt, each completion
   token's text and policy version, reward and components), newest first, with the archiver's status;
 - ``/metrics``: the same numbers in Prometheus' text format (role ``dashboard``).
 """
@@ -45,14 +45,16 @@ import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from broker.archive import read_recent, read_status
+from archiver.archive import read_recent, read_status
 from broker.client import BrokerKeys, connect
-from broker.config import BrokerConfig, SharedConfig
-from broker.discovery import RedisNotFound, resolve_redis_url
-from broker.metrics import BrokerMetrics, MetricsReader, metrics_key, parse_number
-from broker.prometheus import MetricsServer, metrics_route, start_metrics_server, stream_latest_source
+from broker.config import BrokerConfig
+from broker.metrics import BrokerMetrics, MetricsReader, metrics_key
 from broker.registry import EngineInfo, registry_key
 from broker.version import PolicyVersion
+from common.config import SharedConfig
+from common.discovery import RedisNotFound, resolve_redis_url
+from common.numbers import parse_number
+from common.prometheus import MetricsServer, metrics_route, start_metrics_server, stream_latest_source
 from streamrl.config import DashboardConfig, StreamRLConfig
 from streamrl.devices import read_plan
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from broker.configlib import ConfigError
+from common.configlib import ConfigError
 
 if TYPE_CHECKING:
     from streamrl.config import StreamRLConfig

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from broker.configlib import ConfigError, load_config
+from common.configlib import ConfigError, load_config
 from learner.checkpoint import checkpoint_of_step, export_checkpoint
 from streamrl.config import StreamRLConfig
 

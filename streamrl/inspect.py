@@ -1,4 +1,4 @@
-"""``streamrl inspect RUN_DIR``: read a run's trajectory archive (broker.archive) and show what was trained.
+"""``streamrl inspect RUN_DIR``: read a run's trajectory archive (archiver.archive) and show what was trained.
 
 The run's summary, the reward and each reward component per window of learner steps, the staleness histogram of
 the trained samples, and the best, worst and random samples with their components; filters narrow every table,
@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from broker.archive import PENDING_FILE, part_paths, read_archive
+from archiver.archive import PENDING_FILE, part_paths, read_archive
 
 OUTCOMES = ("trained", "dropped", "dead_lettered", "pending")
 # The columns the tables read; --export and the printed samples read every column of the selected rows.

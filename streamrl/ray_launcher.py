@@ -39,8 +39,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from broker.configlib import ConfigError
-from broker.lifecycle import die_with_parent
+from common.configlib import ConfigError
+from common.lifecycle import die_with_parent
 from rollout_fleet.fleet import engine_ranks
 from streamrl.supervisor import ChildSpec
 

@@ -11,9 +11,10 @@ from typing import Any
 import redis
 
 from broker.client import BrokerKeys, connect
-from broker.discovery import RedisNotFound, resolve_redis_url
-from broker.metrics import RUN_INFO_KEY, metrics_key, parse_number
+from broker.metrics import RUN_INFO_KEY, metrics_key
 from broker.outcomes import audit
+from common.discovery import RedisNotFound, resolve_redis_url
+from common.numbers import parse_number
 from streamrl.config import StreamRLConfig
 
 

@@ -12,7 +12,7 @@ for its readiness check before the next starts, and the supervisor then watches 
   period, SIGKILL) and ``failure`` says which role and why.
 - A child that exits 0 with ``finishes_run`` ends the run. An inessential child (``essential=False``: the
   archiver) whose budget is spent is left stopped and the run goes on.
-- Every child gets SIGTERM when the supervisor itself dies (``broker.lifecycle.die_with_parent``), so a
+- Every child gets SIGTERM when the supervisor itself dies (``common.lifecycle.die_with_parent``), so a
   ``kill -9`` of the supervisor leaves nothing running; ``records_path`` keeps the children's pids and start
   times, so the next start of the same run can stop any that are still draining.
 - SIGTERM or SIGINT to the supervisor stops everything the same way.
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from broker.lifecycle import ProcessRecord, die_with_parent, write_records
+from common.lifecycle import ProcessRecord, die_with_parent, write_records
 
 log = logging.getLogger("streamrl.supervisor")
 

@@ -42,10 +42,10 @@ from urllib.parse import urlsplit
 import redis
 
 from broker.client import BrokerKeys
-from broker.configlib import ConfigError, dump_config
-from broker.discovery import RedisNotFound, resolve_redis_url, url_file
-from broker.lifecycle import read_records, stop_leftovers
 from broker.server import free_port
+from common.configlib import ConfigError, dump_config
+from common.discovery import RedisNotFound, resolve_redis_url, url_file
+from common.lifecycle import read_records, stop_leftovers
 from rollout_fleet.fleet import engine_ranks
 from streamrl import devices, manifest
 from streamrl.config import StreamRLConfig
@@ -204,7 +204,7 @@ def record_redis(cfg: StreamRLConfig, doc: dict[str, Any]) -> dict[str, Any]:
             info = client.info("server")
         finally:
             client.close()
-    except (redis.RedisError, OSError, RuntimeError) as exc:  # RuntimeError: broker.discovery.RedisNotFound
+    except (redis.RedisError, OSError, RuntimeError) as exc:  # RuntimeError: common.discovery.RedisNotFound
         log.warning("manifest: no Redis server version (%s)", exc)
         return doc
     doc = manifest.with_redis(doc, info)

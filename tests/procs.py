@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.lifecycle import read_records
+from common.lifecycle import read_records
 from streamrl import devices
 from streamrl.devices import DevicePlan
 

@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-import broker.archive as archive
-from broker.archive import (
+import archiver.archive as archive
+from archiver.archive import (
     PENDING_FILE,
     ArchiveError,
     Archiver,
@@ -25,12 +25,14 @@ from broker.archive import (
     rejected_row,
     write_rows,
 )
+from archiver.config import ArchiveConfig
 from broker.client import BrokerKeys, connect
-from broker.config import ArchiveConfig, BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.consumer import Consumer, Rejected
 from broker.outcomes import Outcome
 from broker.producer import Producer
 from broker.record import synthetic_group
+from common.config import SharedConfig
 
 SHARED = SharedConfig(run_id="arch")
 

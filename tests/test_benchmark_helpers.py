@@ -15,7 +15,7 @@ from benchmarks.plot import figure, line_chart
 from benchmarks.vs_trl.__main__ import final_reward_of, first_reaching, noise, side_summary
 from benchmarks.vs_trl.streamrl_side import up_command
 from benchmarks.vs_trl.trl_side import Curve, GRPORecipe, TrainingClock
-from broker.configlib import load_config
+from common.configlib import load_config
 from streamrl.config import StreamRLConfig
 
 
@@ -312,8 +312,8 @@ def test_staleness_ablation_command_lines_are_valid_configs(tmp_path: Path, monk
 
 
 def test_archive_overhead_runs_differ_only_in_the_archive_and_count_rows(tmp_path: Path, monkeypatch) -> None:
+    from archiver.archive import rejected_row, write_rows
     from benchmarks import archive_overhead
-    from broker.archive import rejected_row, write_rows
     from broker.consumer import Rejected
 
     seen = []

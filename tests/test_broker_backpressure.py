@@ -8,11 +8,12 @@ import asyncio
 import numpy as np
 
 from broker.client import BrokerKeys, connect
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.consumer import Consumer
 from broker.metrics import BrokerMetrics
 from broker.producer import BackpressureTimeout, Producer
 from broker.record import synthetic_group
+from common.config import SharedConfig
 
 SHARED = SharedConfig(run_id="bp")
 PRODUCERS, PER_PRODUCER, BOUND = 4, 15, 8

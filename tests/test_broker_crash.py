@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 
 from broker.client import BrokerKeys, connect, connection_stats
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.consumer import Consumer
 from broker.producer import Producer
 from broker.record import synthetic_group
 from broker.server import EmbeddedRedis
+from common.config import SharedConfig
 
 SHARED = SharedConfig(run_id="crash")
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VICTIM = """
 import asyncio, json, sys, time
 from broker.client import connect
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
+from common.config import SharedConfig
 from broker.consumer import Consumer
 
 async def main() -> None:

@@ -10,8 +10,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from broker.client import connect
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.version import CONTROL_MAXLEN, PolicyVersion, VersionError
+from common.config import SharedConfig
 
 SHARED = SharedConfig(run_id="v")
 CFG = BrokerConfig(retry_attempts=3)

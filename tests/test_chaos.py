@@ -41,7 +41,7 @@ from benchmarks.crash_cost import (
     up_args,
     wait_for_step,
 )
-from broker.lifecycle import read_records
+from common.lifecycle import read_records
 from tests.test_up import assert_archive_complete, metrics_base_port
 
 pytestmark = pytest.mark.timeout(900)

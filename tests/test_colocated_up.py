@@ -13,8 +13,8 @@ import redis
 
 from benchmarks.crash_cost import audit, kill, wait_for_step
 from benchmarks.learning_gain import COLOCATED_ARGS, COLOCATED_KILLS, RUN_ARGS, STEPS
-from broker.config import SharedConfig
 from broker.metrics import metrics_key
+from common.config import SharedConfig
 from tests.test_up import metrics_base_port, up
 
 pytestmark = pytest.mark.timeout(900)

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from broker.configlib import iter_fields
+from common.configlib import iter_fields
 from streamrl.cli import COMMANDS
 from streamrl.config import StreamRLConfig, load
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.configlib import ConfigError, iter_fields, load_config
+from common.configlib import ConfigError, iter_fields, load_config
 from streamrl.cli import main
 from streamrl.config import StreamRLConfig, load
 
@@ -130,10 +130,10 @@ def test_rollout_help_lists_the_learner_and_metrics_fields_it_reads(
 def test_cpu_affinity_pins_the_process_and_names_a_missing_core() -> None:
     import os
 
-    from broker.configlib import ConfigError
-    from broker.cpus import pin_to_cpus
+    from common.configlib import ConfigError
+    from common.cpus import pin_to_cpus
 
-    code = "import os; from broker.cpus import pin_to_cpus; pin_to_cpus([0], 'x'); print(sorted(os.sched_getaffinity(0)))"
+    code = "import os; from common.cpus import pin_to_cpus; pin_to_cpus([0], 'x'); print(sorted(os.sched_getaffinity(0)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[0]"
     before = os.sched_getaffinity(0)

@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker.client import connect
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.consumer import Consumer
 from broker.metrics import MetricsWriter
 from broker.producer import Producer
@@ -33,6 +33,7 @@ from broker.record import synthetic_group
 from broker.registry import EngineRegistry
 from broker.server import EmbeddedRedis
 from broker.version import PolicyVersion
+from common.config import SharedConfig
 from streamrl.config import DashboardConfig
 from streamrl.dashboard import RunningDashboard, start_dashboard
 

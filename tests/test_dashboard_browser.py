@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 import torch
 
 from broker.client import connect
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.consumer import Consumer
 from broker.metrics import MetricsReader, MetricsWriter
 from broker.producer import Producer
@@ -27,6 +27,7 @@ from broker.record import synthetic_group
 from broker.registry import EngineRegistry
 from broker.staleness import staleness_stats
 from broker.version import PolicyVersion
+from common.config import SharedConfig
 from rollout_fleet.engine.core import Engine
 from rollout_fleet.engine.server import ServerSettings, ServerThread
 from rollout_fleet.model import init_tiny_model
@@ -323,8 +324,8 @@ async def test_sample_viewer_colours_each_token_by_its_policy_version(
 ) -> None:
     """The archiver's feed of a real stream, shown token by token: text from the model's tokenizer, each token
     coloured by how far its version is behind the published policy."""
-    from broker.archive import Archiver, TokenText
-    from broker.config import ArchiveConfig
+    from archiver.archive import Archiver, TokenText
+    from archiver.config import ArchiveConfig
     from broker.record import Sample, TrajectoryGroup
 
     shared = SharedConfig(run_id="viewer", eta=4, model_path=model_dir)

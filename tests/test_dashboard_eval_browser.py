@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from broker.client import connect
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.metrics import MetricsWriter
+from common.config import SharedConfig
 from streamrl.config import DashboardConfig
 from streamrl.dashboard import start_dashboard
 from tests.dashboard_page import chromium, wait_for

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.configlib import ConfigError
+from common.configlib import ConfigError
 from streamrl import devices
 from streamrl.config import StreamRLConfig
 from streamrl.devices import parse_devices, plan_for, resolve_plan

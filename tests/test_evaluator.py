@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from broker.client import connect
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.metrics import MetricsReader, MetricsWriter
 from broker.version import PolicyVersion
+from common.config import SharedConfig
 from rollout_fleet.evaluator import (
     EvalConfig,
     Scoring,

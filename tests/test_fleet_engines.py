@@ -13,8 +13,9 @@ import pytest
 from pydantic import ValidationError
 
 from broker.client import connect
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.registry import EngineRegistry
+from common.config import SharedConfig
 from rollout_fleet import fleet as fleet_module
 from rollout_fleet.config import EngineConfig
 from rollout_fleet.fleet import Fleet, FleetError, engine_command

@@ -13,8 +13,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from broker.client import connect
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.registry import EngineRegistry, RegistryError, engine_id_for
+from common.config import SharedConfig
 from rollout_fleet.engine.core import Engine
 from rollout_fleet.engine.server import ServerThread
 from rollout_fleet.model import init_tiny_model

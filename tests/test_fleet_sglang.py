@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from broker.client import connect
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.registry import EngineRegistry
+from common.config import SharedConfig
 from rollout_fleet.config import EngineConfig
 from rollout_fleet.fleet import Fleet
 from rollout_fleet.model import init_tiny_model

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from broker.archive import TokenText, rejected_row, sample_rows, write_rows
+from archiver.archive import TokenText, rejected_row, sample_rows, write_rows
 from broker.consumer import Rejected
 from broker.outcomes import Outcome
 from broker.record import synthetic_group

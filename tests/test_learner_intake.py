@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from broker.client import connect
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.consumer import Consumer
 from broker.producer import Producer
 from broker.record import synthetic_group
 from broker.staleness import InMemoryCounters, StalenessManager
+from common.config import SharedConfig
 from learner.config import LearnerConfig
 from learner.intake import Intake
 

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from broker.configlib import ConfigError
 from broker.server import free_port
+from common.configlib import ConfigError
 from learner.attention import register_packed_attention
 from learner.config import LoraSection
 from learner.distributed import full_parameters, init_distributed, shard_model

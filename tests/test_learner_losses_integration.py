@@ -11,8 +11,9 @@ import pytest
 import redis
 
 from broker.client import BrokerKeys
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.metrics import metrics_key
+from common.config import SharedConfig
 from learner.losses import POLICY_LOSSES
 from rollout_fleet.model import init_tiny_model
 from tests.synth import sample_groups

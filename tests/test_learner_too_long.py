@@ -15,10 +15,11 @@ import pytest
 import redis
 
 from broker.client import BrokerKeys, connect
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.metrics import metrics_key
 from broker.outcomes import audit, format_audit, read_outcomes
 from broker.record import Sample, TrajectoryGroup
+from common.config import SharedConfig
 from learner.intake import TOO_LONG, drop_reason, longest_sample, sequence_limit
 from rollout_fleet.model import TinyModelSpec, init_tiny_model
 from tests.synth import sample_groups

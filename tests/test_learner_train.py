@@ -17,11 +17,12 @@ import torch
 from safetensors.torch import load_file
 
 from broker.client import BrokerKeys, connect
-from broker.config import BrokerConfig, SharedConfig
-from broker.lifecycle import CRASH_AT_ENV, CRASH_GROUP_ENV
+from broker.config import BrokerConfig
 from broker.metrics import metrics_key
 from broker.producer import Producer
 from broker.staleness import RedisCounters
+from common.config import SharedConfig
+from common.lifecycle import CRASH_AT_ENV, CRASH_GROUP_ENV
 from learner.checkpoint import CheckpointMeta, committed_checkpoints, trained_group_ids
 from rollout_fleet.model import init_tiny_model
 from tests.synth import sample_groups

@@ -23,9 +23,10 @@ import redis
 import torch
 
 from broker.client import connect
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.consumer import Consumer
-from broker.discovery import resolve_redis_url, url_file
+from common.config import SharedConfig
+from common.discovery import resolve_redis_url, url_file
 from learner.checkpoint import trained_group_ids
 from rollout_fleet.client import EngineClient, RequestRejected
 from rollout_fleet.evaluation import load_model

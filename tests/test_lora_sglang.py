@@ -71,9 +71,10 @@ async def test_sglang_serves_the_synced_adapter_by_versioned_lora_path(tmp_path:
     import torch.multiprocessing as mp
 
     from broker.client import connect
-    from broker.config import BrokerConfig, RedisServerConfig, SharedConfig
+    from broker.config import BrokerConfig, RedisServerConfig
     from broker.registry import EngineRegistry
     from broker.server import EmbeddedRedis
+    from common.config import SharedConfig
     from rollout_fleet.config import EngineConfig
     from rollout_fleet.fleet import Fleet
     from rollout_fleet.model import init_tiny_model

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from broker.configlib import ConfigError, build_config, render_help
+from common.configlib import ConfigError, build_config, render_help
 from learner.config import LearnerConfig, LoraSection
 from weight_sync import protocol
 from weight_sync.buckets import TensorMeta

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from broker.configlib import ConfigError
+from common.configlib import ConfigError
 from learner.config import LossConfig
 from learner.losses import (
     POLICY_LOSSES,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from broker.configlib import ConfigError
+from common.configlib import ConfigError
 from learner.config import LearnerConfig
 from learner.schedule import lr_multiplier
 from streamrl.config import load

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.configlib import ConfigError
+from common.configlib import ConfigError
 from rollout_fleet.tasks import available_tasks, task_factory
 from streamrl import manifest as m
 from streamrl.config import StreamRLConfig

@@ -16,9 +16,10 @@ import torch
 from aiohttp import web
 
 from broker.client import connect
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.metrics import MetricsReader, MetricsWriter
-from broker.prometheus import (
+from common.config import SharedConfig
+from common.prometheus import (
     LatestMetrics,
     add_metrics_route,
     metric_name,

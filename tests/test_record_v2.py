@@ -138,7 +138,7 @@ def test_episode_counters_must_be_finite_floats() -> None:
 def test_the_archive_keeps_turns_and_episode_counters(tmp_path) -> None:
     import pyarrow.parquet as pq
 
-    from broker.archive import TokenText, sample_rows, write_rows
+    from archiver.archive import TokenText, sample_rows, write_rows
 
     rows = sample_rows(fixed_record(), "1-0", None, TokenText(None), 0.0)
     write_rows(tmp_path / "part.parquet", rows)

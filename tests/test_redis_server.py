@@ -103,7 +103,7 @@ time.sleep(600)
 
 
 def test_the_server_dies_with_its_owner_and_a_leftover_is_stopped(tmp_path: Path) -> None:
-    from broker.lifecycle import read_records
+    from common.lifecycle import read_records
 
     owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     assert owner.stdout is not None
@@ -148,8 +148,8 @@ ctypes.CDLL(None).syscall(exit_thread, 0)
 def test_a_process_whose_main_thread_is_a_zombie_is_alive_while_a_thread_holds_its_files() -> None:
     """CI failed once on the test above: the restarted server found its port taken and chose another. The killed
     server's main thread was a zombie, which read as dead, while a thread still exiting held the port."""
-    from broker.lifecycle import ProcessRecord
     from broker.server import port_is_free
+    from common.lifecycle import ProcessRecord
 
     child = subprocess.Popen(
         [sys.executable, "-c", ZOMBIE_LEADER], stdin=subprocess.PIPE, stdout=subprocess.PIPE

@@ -11,10 +11,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from broker.client import connect
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.consumer import dropped
 from broker.record import make_group_id
 from broker.staleness import RedisCounters, StalenessManager
+from common.config import SharedConfig
 from rollout_fleet.dispatch import DispatchMismatch, PromptDispatcher
 
 pytestmark = pytest.mark.timeout(60)

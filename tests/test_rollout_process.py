@@ -25,7 +25,8 @@ import redis.asyncio as aioredis
 import tomli_w
 
 from broker.client import connect
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
+from common.config import SharedConfig
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.engine.server import ServerThread
 from rollout_fleet.model import init_tiny_model

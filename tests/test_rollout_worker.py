@@ -20,12 +20,13 @@ import redis.asyncio as aioredis
 import torch
 
 from broker.client import connect
-from broker.config import BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.consumer import Consumer, dropped
 from broker.metrics import MetricsReader
 from broker.record import TrajectoryGroup, make_group_id
 from broker.staleness import RedisCounters
 from broker.version import PolicyVersion
+from common.config import SharedConfig
 from rollout_fleet.config import EngineConfig, RolloutConfig
 from rollout_fleet.engine.core import Engine
 from rollout_fleet.engine.scheduler import StepRecord

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from broker.config import SharedConfig
+from common.config import SharedConfig
 from rollout_fleet import fleet as fleet_mod
 from rollout_fleet.client import EngineClient, SamplingConfig, build_generate_request, build_group_request
 from rollout_fleet.config import EngineConfig

@@ -23,8 +23,8 @@ import aiohttp
 import numpy as np
 import pytest
 
-from broker.config import SharedConfig
 from broker.registry import engine_id_for
+from common.config import SharedConfig
 from rollout_fleet.client import EngineClient, GenerateResult, SamplingConfig, build_generate_request
 from rollout_fleet.config import EngineConfig
 from rollout_fleet.fleet import engine_command

@@ -10,7 +10,6 @@ import redis
 import redis.asyncio as aioredis
 import torch
 
-from broker.config import SharedConfig
 from broker.staleness import (
     CounterError,
     InMemoryCounters,
@@ -22,6 +21,7 @@ from broker.staleness import (
     staleness,
     staleness_stats,
 )
+from common.config import SharedConfig
 
 
 async def _walk_capacity_by_hand(counters) -> None:

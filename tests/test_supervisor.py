@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from broker.lifecycle import ProcessRecord, read_records
+from common.lifecycle import ProcessRecord, read_records
 from streamrl.supervisor import ChildSpec, Supervisor
 
 SLEEPER = "import signal,sys,time; signal.signal(signal.SIGTERM, lambda *a: (print('drained', flush=True), sys.exit(0))); print('up', flush=True); time.sleep(600)"

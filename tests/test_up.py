@@ -121,7 +121,7 @@ def assert_archive_complete(run_dir: Path, audit: dict, group_size: int = 8) -> 
     of groups the learner had not decided when the run stopped), and the parts hold every trained sample."""
     from collections import Counter
 
-    from broker.archive import read_archive
+    from archiver.archive import read_archive
 
     rows = read_archive(
         run_dir / "archive", include_pending=True, columns=["group_id", "outcome"]

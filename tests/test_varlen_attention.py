@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import learner.attention as attention
-from broker.configlib import ConfigError
+from common.configlib import ConfigError
 from learner.attention import (
     PACKED_ATTENTION,
     PACKED_FLASH_ATTENTION,

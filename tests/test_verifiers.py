@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker.config import SharedConfig
+from common.config import SharedConfig
 from rollout_fleet.envs.tools import chat_observation
 from rollout_fleet.model import build_tokenizer
 from rollout_fleet.tasks import TaskError, get_task

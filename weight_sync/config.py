@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from broker.configlib import Section
+from common.configlib import Section
 
 
 class WeightSyncConfig(Section):

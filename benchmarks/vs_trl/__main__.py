@@ -40,7 +40,7 @@ from benchmarks.common import write_result
 from benchmarks.plot import figure, line_chart
 from benchmarks.vs_trl.streamrl_side import deployment, run_streamrl
 from benchmarks.vs_trl.trl_side import GRPORecipe
-from broker.config import SharedConfig
+from common.config import SharedConfig
 
 DEFAULT_ETA = SharedConfig().eta  # streamrl's default staleness bound
 

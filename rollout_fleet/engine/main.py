@@ -21,9 +21,9 @@ from collections.abc import Iterable
 
 import torch
 
-from broker.config import SharedConfig
-from broker.configlib import ConfigError
-from broker.cpus import pin_to_cpus
+from common.config import SharedConfig
+from common.configlib import ConfigError
+from common.cpus import pin_to_cpus
 from rollout_fleet.config import EngineConfig
 from rollout_fleet.engine.core import Engine
 from rollout_fleet.engine.server import Extension, ServerSettings, serve

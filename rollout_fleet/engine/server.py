@@ -33,7 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
-from broker.prometheus import metrics_route
+from common.prometheus import metrics_route
 from rollout_fleet.engine import openai_api, protocol
 from rollout_fleet.engine.core import Engine, EngineBusy
 from rollout_fleet.engine.memory import resident_bytes

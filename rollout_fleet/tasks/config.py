@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from broker.configlib import Section
+from common.configlib import Section
 from rollout_fleet.tasks import Task, accepted_options, get_task, task_factory
 
 

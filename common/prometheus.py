@@ -1,6 +1,6 @@
 """Prometheus ``/metrics`` for every daemon, from a callable returning the role's latest numbers.
 
-Each role already has its numbers as a flat dict (what it writes with :class:`broker.metrics.MetricsWriter`);
+Each role already has its numbers as a flat dict (what it writes with broker.metrics' ``MetricsWriter``);
 this module exposes such a dict in Prometheus' text format, two ways:
 
 * :func:`start_metrics_server` - a standalone server on its own port (prometheus_client's WSGI server in a
@@ -35,7 +35,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, start_http_server
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from broker.metrics import parse_number
+from common.numbers import parse_number
 
 log = logging.getLogger("streamrl.prometheus")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from broker.configlib import ConfigError
+from common.configlib import ConfigError
 
 
 def pin_to_cpus(cores: Sequence[int], field: str) -> None:

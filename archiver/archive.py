@@ -40,12 +40,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import redis.asyncio as aioredis
 
+from archiver.config import ArchiveConfig
 from broker.client import BrokerKeys, connect
-from broker.config import ArchiveConfig, BrokerConfig, SharedConfig
+from broker.config import BrokerConfig
 from broker.consumer import Consumer, Delivery, Rejected
-from broker.discovery import RedisNotFound, resolve_redis_url
 from broker.outcomes import Outcome
 from broker.record import TrajectoryGroup
+from common.config import SharedConfig
+from common.discovery import RedisNotFound, resolve_redis_url
 
 log = logging.getLogger("streamrl.archive")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from broker.config import SharedConfig
+from common.config import SharedConfig
 
 
 class RedisNotFound(RuntimeError):
