@@ -53,8 +53,16 @@ PYPROJECT = REPO / "pyproject.toml"
 MACHINE_LIST = REPO / "benchmarks" / "gpu_machine_packages.txt"
 DEFAULT_CHECK_OUT = "benchmarks/results/gpu_check.json"
 LIMIT_MB = 60.0  # decimal MB; the device tool carries 64 MiB a call, the working tree's own files included
+
+
 # The project's top-level packages (pyproject's packages.find plus benchmarks, which the check runs from).
-LOCAL_PACKAGES = ("broker", "learner", "rollout_fleet", "weight_sync", "streamrl", "benchmarks")
+def _project_packages() -> tuple[str, ...]:
+    """The top-level packages pyproject.toml installs (its one list of them), and benchmarks/."""
+    found = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    return (*(name.rstrip("*") for name in found["include"]), "benchmarks")
+
+
+LOCAL_PACKAGES = _project_packages()
 # What the GPU check runs: the check itself, and `python -m streamrl up` (every role is `python -m streamrl ROLE`).
 CHECK_ROOTS = ("benchmarks.gpu_check", "streamrl.__main__", "streamrl.cli")
 # pip matches manylinux tags exactly. glibc 2.28 is assumed there (Python 3.12.3 is Ubuntu 24.04's, glibc 2.39);
