@@ -101,8 +101,9 @@ def _argv(line: str) -> list[str] | None:
     line = line.split(" # ", 1)[0].split(" | ", 1)[0].split(" && ", 1)[0]
     words = shlex.split(line)
     if words[0] == "make":
-        return ["up", *shlex.split(words[2].partition("=")[2])] if len(words) > 2 else ["up"]
-    words = words[words.index("streamrl") + 1 :]
+        words = ["up", *shlex.split(words[2].partition("=")[2])] if len(words) > 2 else ["up"]
+    else:
+        words = words[words.index("streamrl") + 1 :]
     if not words or not re.fullmatch(r"[a-z][a-z-]*", words[0]):
         return None
     # usage lines: `[--x=V]` is an optional argument, `...` more of the same, `--section.field=value` any
