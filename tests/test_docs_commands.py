@@ -1,4 +1,4 @@
-"""Every command line the README and docs/*.md show parses: a renamed or removed config field cannot leave a
+"""Every command line the README, docs/*.md and the comments of pyproject.toml and the Makefile show parses: a renamed or removed config field cannot leave a
 stale example behind.
 
 The command lines are ``streamrl ...``, ``python -m streamrl ...`` and ``make run RUN_ARGS="..."`` in code
@@ -22,7 +22,8 @@ from streamrl.cli import COMMANDS
 from streamrl.config import StreamRLConfig, load
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# the README and docs, and the two files whose comments show commands (pyproject's extras, the Makefile's targets)
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "pyproject.toml", ROOT / "Makefile"]
 
 # `streamrl` sub-commands with an argument parser of their own (not the config tree), and those the test cannot
 # parse without running them: `model init` parses its options inside the model build, `audit` takes one path.
