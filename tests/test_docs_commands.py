@@ -1,5 +1,5 @@
-"""Every command line the README, docs/*.md and the comments of pyproject.toml and the Makefile show parses: a renamed or removed config field cannot leave a
-stale example behind.
+"""Every command line the README, docs/*.md and the comments of pyproject.toml and the Makefile show parses: a
+renamed or removed config field cannot leave a stale example behind.
 
 The command lines are ``streamrl ...``, ``python -m streamrl ...`` and ``make run RUN_ARGS="..."`` in code
 blocks and in inline code. Each one's arguments go through what ``streamrl COMMAND`` itself parses them with
