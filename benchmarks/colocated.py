@@ -4,7 +4,7 @@
     python -m benchmarks.colocated --tiny --out runs/colocated.json   # what tests/test_colocated_bench.py runs
     python -m benchmarks.colocated --out benchmarks/results/colocated.json
 
-Part 1, the update (one run, the same learner model and the same two engine processes, ``weight_sync.mini_engine``,
+Part 1, the update (one run, the same learner model and the same two engine processes, ``benchmarks.mini_engine``,
 interleaved and repeated): ``sync_weights`` as the learner runs it, with ``weight_sync.transport = distributed``
 (gloo broadcast over the update group: the disaggregated path) and with ``transport = tensor`` (buckets by
 shared-memory handle through ``/update_weights_from_tensor``: the colocated path on the CPU; CUDA IPC on a GPU).

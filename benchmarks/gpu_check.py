@@ -38,7 +38,7 @@ Parts, each ``{status: passed | failed | skipped, seconds, reason, ...numbers}``
    device plan), and the audit clean; the held-out gain is a number, not a condition (30 steps are noisy).
 5. ``nccl_sync``: only with two GPUs or more (it runs right after part 2, whose model it sends): the model's
    weights sent with ``weight_sync.sender.sync_weights`` (the learner's sync: FSDP2 gather, buckets, the SGLang
-   update protocol, ``send_dtype = bfloat16``) over NCCL to one receiving engine (``weight_sync.mini_engine`` on
+   update protocol, ``send_dtype = bfloat16``) over NCCL to one receiving engine (``benchmarks.mini_engine`` on
    the second GPU, bf16), against one flat ``torch.distributed`` broadcast of the same bytes
    (``benchmarks.weight_sync.flat_broadcast``): GB/s of each, ``ratio_vs_flat_broadcast`` (ours / flat, lower is
    better), and the engine's weights checked bit-identical to the learner's bf16 cast. With one GPU it is
@@ -690,10 +690,10 @@ def colocated_up(
 
 
 def start_mini_engine(shape: dict[str, Any], device: str, dtype: str, env: dict[str, str]) -> tuple[Any, str]:
-    """One ``weight_sync.mini_engine`` process (the receiving engine), its URL once it answers /health."""
+    """One ``benchmarks.mini_engine`` process (the receiving engine), its URL once it answers /health."""
     from benchmarks.weight_sync import http_json
 
-    cmd = [sys.executable, "-m", "weight_sync.mini_engine", "--model-config", json.dumps(shape)]
+    cmd = [sys.executable, "-m", "benchmarks.mini_engine", "--model-config", json.dumps(shape)]
     cmd += ["--timeout-s", str(TIMEOUT_S), "--device", device, "--dtype", dtype]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, env=child_env(**env))
     line = proc.stdout.readline() if proc.stdout else ""

@@ -1,6 +1,6 @@
 """Weight sync: time to send a model of a few hundred MB (fp32, CPU, gloo) from the learner to two engines.
 
-One run, one update group, two engine processes (``weight_sync.mini_engine``: a Qwen2 of the same shape behind
+One run, one update group, two engine processes (``benchmarks.mini_engine``: a Qwen2 of the same shape behind
 the SGLang weight-update endpoints); four ways, interleaved and repeated:
 
 * ``sync``: ``sync_weights`` as the learner runs it, default config: FSDP2 gather (``full_tensor``, one
@@ -93,7 +93,7 @@ def build_learner_model(config: dict) -> torch.nn.Module:
 
 
 def start_engines(config: dict, count: int) -> tuple[list[subprocess.Popen], list[str]]:
-    cmd = [sys.executable, "-m", "weight_sync.mini_engine", "--model-config", json.dumps(config)]
+    cmd = [sys.executable, "-m", "benchmarks.mini_engine", "--model-config", json.dumps(config)]
     cmd += ["--timeout-s", str(TIMEOUT_S)]
     procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True) for _ in range(count)]
     urls = []

@@ -44,6 +44,8 @@ class Command:
 
 # Every role with a Prometheus endpoint of its own port reads where to serve it.
 METRICS_FIELDS = ("dashboard.metrics_host", "dashboard.metrics_base_port")
+# The ports streamrl.up.promised_ports gives the run's servers: `streamrl redis` starts first and avoids them.
+PROMISED_PORT_FIELDS = ("rollout.engine_urls", "rollout.sglang_router_port", "dashboard.port")
 LORA_NAMING_FIELDS = ("learner.lora.rank", "weight_sync.lora_sync", "weight_sync.lora_name")
 
 
@@ -172,7 +174,11 @@ def _run_plan(config: StreamRLConfig) -> int:
 
 COMMANDS: dict[str, Command] = {
     "redis": Command(
-        "run the embedded Redis server until stopped", ("shared", "redis"), _run_redis, METRICS_FIELDS
+        "run the embedded Redis server until stopped",
+        ("shared", "redis"),
+        _run_redis,
+        # its Prometheus port, and the ports promised to the run's other servers, which it must not draw
+        ("dashboard.metrics_base_port", *PROMISED_PORT_FIELDS),
     ),
     "engine": Command("serve a model over SGLang's HTTP protocol", ("shared", "engine"), _run_engine),
     "rollout": Command(

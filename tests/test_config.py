@@ -127,6 +127,25 @@ def test_rollout_help_lists_the_learner_and_metrics_fields_it_reads(
     assert "--learner.lr " not in out  # the rest of the learner section is not the worker's
 
 
+def test_redis_help_lists_the_ports_it_reads_from_other_sections(capsys: pytest.CaptureFixture[str]) -> None:
+    """`streamrl redis` reads its Prometheus port and the ports promised to the engines, the sglang router and
+    the dashboard (it must not draw one of them): --help shows those fields, and no other of their sections."""
+    from streamrl.cli import main
+
+    assert main(["redis", "--help"]) == 0
+    out = capsys.readouterr().out
+    for field in (
+        "dashboard.metrics_base_port",
+        "rollout.engine_urls",
+        "rollout.sglang_router_port",
+        "dashboard.port",
+    ):
+        assert f"--{field} " in out
+    assert "--rollout.group_size " not in out and "--dashboard.refresh_s " not in out
+    # its metrics are served on redis.host, so dashboard.metrics_host is not one of its fields
+    assert "--dashboard.metrics_host " not in out
+
+
 def test_cpu_affinity_pins_the_process_and_names_a_missing_core() -> None:
     import os
 

@@ -78,7 +78,7 @@ def test_the_walk_reaches_every_role_of_up() -> None:
     reached = gb.ImportGraph(gb.project_sources()).reach(gb.CHECK_ROOTS)
     # function-level imports (up's roles), "module:attr" registry strings (tasks), `-m module` launches
     roles = {"streamrl.up", "learner.trainer", "rollout_fleet.worker", "rollout_fleet.engine.server"}
-    assert roles | {"rollout_fleet.tasks.arithmetic", "weight_sync.mini_engine", "broker.server"} <= reached
+    assert roles | {"rollout_fleet.tasks.arithmetic", "benchmarks.mini_engine", "broker.server"} <= reached
 
 
 SYNTH = {

@@ -177,7 +177,7 @@ def _learner_to_mini_engine(rank: int, port: int, model_dir: str, url: str, out:
 
 
 def test_an_engine_without_the_adapter_endpoint_fails_fast(tmp_path: Path) -> None:
-    """An engine that takes no adapter (weight_sync.mini_engine here, SGLang in the gpu test) answers the adapter
+    """An engine that takes no adapter (benchmarks.mini_engine here, SGLang in the gpu test) answers the adapter
     update 404 before posting a receive: the sync reports it at once instead of waiting out the broadcast."""
     import torch.multiprocessing as mp
 

@@ -1,5 +1,5 @@
 """Weight sync end to end, all real: two FSDP2 learner ranks over gloo, two engine processes serving SGLang's
-weight-update endpoints over HTTP (weight_sync.mini_engine: a Hugging Face Qwen2 behind a WeightReceiver),
+weight-update endpoints over HTTP (benchmarks.mini_engine: a Hugging Face Qwen2 behind a WeightReceiver),
 broadcasts over the independent update group.
 
 - After each sync the engines' weights are bit-identical to the learner's, and their log-probs for a fixed
@@ -45,7 +45,7 @@ def http_json(url: str, body: dict | None = None, timeout: float = 30.0) -> Any:
 
 
 def launch_engine(model_dir: Path, *flags: str, port: int = 0) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "weight_sync.mini_engine", "--model-dir", str(model_dir)]
+    cmd = [sys.executable, "-m", "benchmarks.mini_engine", "--model-dir", str(model_dir)]
     cmd += ["--port", str(port), "--timeout-s", str(TIMEOUT_S), *flags]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 

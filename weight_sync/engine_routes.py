@@ -1,6 +1,6 @@
 """aiohttp handlers that put a ``WeightReceiver`` behind SGLang's weight-update endpoints.
 
-For engines written with aiohttp (the built-in engine, ``weight_sync.mini_engine``): ``app.add_routes(
+For engines written with aiohttp (the built-in engine, ``benchmarks.mini_engine``): ``app.add_routes(
 weight_routes(receiver))``. Generation control (``/pause_generation``, ``/continue_generation``) and
 ``/update_weights_from_disk`` belong to the engine, which owns the scheduler and the model.
 

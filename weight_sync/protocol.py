@@ -2,7 +2,7 @@
 
 Pure data, no HTTP (client.py sends, the engine's handlers receive). Field names, defaults and messages follow
 SGLang 0.5.23 (``managers/io_struct.py``, ``scheduler_components/weight_updater.py``); see
-shared/reference/sglang-api.md sections 3 and 4 and docs/weight_sync.md.
+docs/sglang_api.md sections 3 and 4 and docs/weight_sync.md.
 
 Order per update: pause_generation -> begin_weight_update (absent, 404, before 0.5.23) ->
 update_weights_from_distributed (or, colocated, update_weights_from_tensor) per bucket -> end_weight_update ->

@@ -1,5 +1,5 @@
 """Tensors by handle between two processes of one host: SGLang's ``MultiprocessingSerializer`` for the colocated
-path (``/update_weights_from_tensor``, shared/reference/sglang-api.md 3.5).
+path (``/update_weights_from_tensor``, docs/sglang_api.md 3.5).
 
 What travels: ``serialize(obj)`` is the base64 text of a ``multiprocessing.reduction.ForkingPickler`` pickle with
 torch's tensor reductions, so a tensor is never copied into the message: a CUDA tensor becomes a CUDA IPC handle

@@ -1,7 +1,7 @@
 """Sleep and wake of the built-in engine: SGLang's ``/release_memory_occupation`` and ``/resume_memory_occupation``.
 
 Colocated mode puts the learner and the engine on one device; while the learner trains, the engine gives back its
-memory. Tags (shared/reference/sglang-api.md section 4): ``kv_cache`` frees the KV pool
+memory. Tags (docs/sglang_api.md section 4): ``kv_cache`` frees the KV pool
 (:meth:`~rollout_fleet.engine.kv_cache.PagedKVCache.release`), ``weights`` frees the weight tensors' storage
 (:class:`WeightMemory`), ``cuda_graph`` is accepted and frees nothing (this engine captures no graphs). Resuming
 allocates again; the KV starts empty, the weights read as zeros until the next update brings real ones (SGLang's

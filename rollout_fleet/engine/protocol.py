@@ -1,7 +1,7 @@
 """SGLang 0.5.23's ``/generate`` protocol: request parsing, validation and response building.
 
 Pure functions and plain data, no HTTP and no torch, so every rule of the reference
-(``shared/reference/sglang-api.md`` sections 2.1-2.7) can be tested without a server. Two error kinds exist
+(``docs/sglang_api.md`` section 2) can be tested without a server. Two error kinds exist
 because SGLang answers with two shapes: the 0.5.23 *contract gate* (unknown ``sampling_params`` keys and wrong
 JSON types) answers ``400 {"error": "<str>"}``; every later validation error answers
 ``400 {"error": {"message": "<str>"}}``.

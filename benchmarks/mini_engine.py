@@ -6,7 +6,7 @@ model whose parameters are overwritten by name. It also mimics an SGLang 0.5.10 
 ``/begin_weight_update``, 404) and can SIGKILL itself on the N-th update (``--kill-at-update N``), a fault that
 cannot be timed from outside.
 
-    python -m weight_sync.mini_engine --model-dir DIR --port 0 [--no-sessions] [--kill-at-update N]
+    python -m benchmarks.mini_engine --model-dir DIR --port 0 [--no-sessions] [--kill-at-update N]
 
 Besides the weight endpoints: ``/pause_generation``, ``/continue_generation`` (state only), ``/model_info``,
 ``/health``, ``/get_weights_by_name``, ``/update_weights_from_disk``, ``/weights_checker`` (``{"action":
