@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ from broker.client import BrokerKeys
 from broker.config import BrokerConfig
 from broker.metrics import RUN_INFO_KEY, MetricsWriter
 from broker.producer import BackpressureTimeout, Producer
-from broker.record import RecordError, TrajectoryGroup
+from broker.record import RecordError
 from broker.staleness import StalenessManager
 from broker.version import PolicyVersion
 from common.config import SharedConfig
@@ -47,6 +47,7 @@ from rollout_fleet.workflows.stats import WorkerStats
 
 __all__ = [
     "Coordination",
+    "MetricsReporter",
     "GroupAbandoned",
     "RequestsRejected",
     "RolloutWorker",
@@ -137,9 +138,14 @@ class RolloutWorker:
         self.workflow = workflow
         c = coordination
         self.redis, self.dispatch, self.admission = c.redis, c.dispatch, c.admission
-        self.versions, self.producer, self.metrics = c.versions, c.producer, c.metrics
+        self.versions, self.producer = c.versions, c.producer
         self.router = workflow.session.router
         self.stats: WorkerStats = workflow.stats  # shared with the workflow and its engine session
+        self.metrics: MetricsReporter | None = None
+        if c.metrics is not None:
+            self.metrics = MetricsReporter(
+                c.metrics, self.stats, self.config.metrics_interval_s, self._gauges
+            )
         self._groups: dict[int, asyncio.Task] = {}
         self._lost: set[int] = set()
         self._wake = asyncio.Event()
@@ -161,7 +167,7 @@ class RolloutWorker:
             asyncio.create_task(self._heartbeat(background_stop), name="heartbeat"),
         ]
         if self.metrics is not None:
-            background.append(asyncio.create_task(self._report(background_stop), name="metrics"))
+            background.append(asyncio.create_task(self.metrics.run(background_stop), name="metrics"))
         stop_waiter = asyncio.create_task(self._forward(stop))
         await self.dispatch.expire_own()
         await self.versions.refresh()
@@ -177,7 +183,7 @@ class RolloutWorker:
             await asyncio.gather(*background, stop_waiter, return_exceptions=True)
             if self.metrics is not None:
                 with contextlib.suppress(Exception):
-                    await self._write_metrics(0.0, self.stats.flat())
+                    await self.metrics.write(0.0, self.stats.flat())
         return self.stats
 
     def _on_new_version(self) -> None:
@@ -286,7 +292,7 @@ class RolloutWorker:
             self.stats.groups_produced += 1
             if status == "DUP":  # another worker had finished this prompt (the producer answered DUP too)
                 self.stats.groups_duplicate += 1
-            self._count_group(group)
+            self.stats.count_group(group)
         except GroupAbandoned as gone:
             await self._abandon(lease, gone)
         except RecordError as exc:
@@ -338,33 +344,43 @@ class RolloutWorker:
             log.info("handing prompt %d (epoch %d) back: %s", lease.prompt_index, lease.epoch, gone)
             self.stats.groups_handed_back += await self.dispatch.release([lease.position])
 
-    def _count_group(self, group: TrajectoryGroup) -> None:
-        for s in group.samples:
-            self.stats.samples += 1
-            self.stats.tokens += s.num_tokens()
-            if s.reward_status == "ok":
-                self.stats.reward_sum += s.reward
-                self.stats.reward_count += 1
+    async def _gauges(self) -> dict[str, float]:
+        """The metrics that are states, not counters: groups in flight, the version, admission, the engines."""
+        values = {"groups_in_flight": float(len(self._groups)), "policy_version": float(self.versions.value)}
+        with contextlib.suppress(Exception):
+            values["admission_capacity"] = float(await self.admission.capacity())
+        values.update(self.router.stats())
+        return values
 
-    # -- metrics ---------------------------------------------------------------------------------------------
 
-    async def _report(self, stop: asyncio.Event) -> None:
-        interval = self.config.metrics_interval_s
+class MetricsReporter:
+    """A point in the stream ``metrics:rollout`` every ``interval_s``: the worker's counters, their rates over the
+    interval, and its gauges."""
+
+    def __init__(
+        self,
+        writer: MetricsWriter,
+        stats: WorkerStats,
+        interval_s: float,
+        gauges: Callable[[], Awaitable[dict[str, float]]],
+    ) -> None:
+        self.writer, self.stats, self.interval_s, self.gauges = writer, stats, interval_s, gauges
+
+    async def run(self, stop: asyncio.Event) -> None:
         previous = self.stats.flat()
         last = time.monotonic()
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval)
+                await asyncio.wait_for(stop.wait(), self.interval_s)
             now = time.monotonic()
             current = self.stats.flat()
             with contextlib.suppress(Exception):
-                await self._write_metrics(now - last, current, previous)
+                await self.write(now - last, current, previous)
             previous, last = current, now
 
-    async def _write_metrics(
+    async def write(
         self, elapsed: float, current: dict[str, float], previous: dict[str, float] | None = None
     ) -> None:
-        assert self.metrics is not None
         values = dict(current)
         if previous is not None and elapsed > 0:
 
@@ -377,9 +393,5 @@ class RolloutWorker:
             rewards = current["reward_count"] - previous["reward_count"]
             if rewards > 0:
                 values["reward_mean"] = (current["reward_sum"] - previous["reward_sum"]) / rewards
-        values["groups_in_flight"] = float(len(self._groups))
-        values["policy_version"] = float(self.versions.value)
-        with contextlib.suppress(Exception):
-            values["admission_capacity"] = float(await self.admission.capacity())
-        values.update(self.router.stats())
-        await self.metrics.write(values)
+        values.update(await self.gauges())
+        await self.writer.write(values)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from broker.record import TrajectoryGroup
+
 
 @dataclass
 class WorkerStats:
@@ -40,6 +42,15 @@ class WorkerStats:
     reward_count: int = 0
     wait_capacity_s: float = 0.0
     finished: bool = False  # every prompt up to max_epochs is done
+
+    def count_group(self, group: TrajectoryGroup) -> None:
+        """Count a produced group's samples, tokens and good rewards."""
+        for s in group.samples:
+            self.samples += 1
+            self.tokens += s.num_tokens()
+            if s.reward_status == "ok":
+                self.reward_sum += s.reward
+                self.reward_count += 1
 
     def flat(self) -> dict[str, float]:
         out = {k: float(v) for k, v in vars(self).items() if isinstance(v, int | float)}
