@@ -166,9 +166,12 @@ class EngineSession:
                 out.finish = "length"
                 break
             rid = f"{rid_base}:r{requests}"
+            payload = self.select_adapter(
+                build_generate_request(prompt_ids + out.tokens, self.sampling, budget, rid)
+            )
             handle = await self._acquire(prefer)
             requests += 1
-            answer = await self._request(handle, prompt_ids + out.tokens, budget, rid, bool(out.tokens), out)
+            answer = await self._request(handle, payload, budget, out)
             if answer is None:  # the engine failed or answered nonsense: another engine, unless too many
                 prefer = None
                 continue
@@ -181,18 +184,12 @@ class EngineSession:
         return out
 
     async def _request(
-        self,
-        handle: EngineHandle,
-        input_ids: list[int],
-        budget: int,
-        rid: str,
-        resubmit: bool,
-        out: Generation,
+        self, handle: EngineHandle, payload: dict[str, Any], budget: int, out: Generation
     ) -> Answer | None:
         """One request; None when it failed in a way another engine may not (the failure counted in ``out``)."""
-        payload = self.select_adapter(build_generate_request(input_ids, self.sampling, budget, rid))
+        rid = str(payload["rid"])
         self.stats.requests += 1
-        if resubmit:
+        if out.tokens:  # a resubmission: the sample so far goes with it
             out.resubmits += 1
             self.stats.resubmits += 1
         try:
