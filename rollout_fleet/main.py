@@ -48,7 +48,10 @@ from rollout_fleet.router import Router
 from rollout_fleet.sandbox import check_sandbox
 from rollout_fleet.tasks import TRAIN, TaskError
 from rollout_fleet.tasks.config import build_task
-from rollout_fleet.worker import RequestsRejected, RolloutWorker, VersionCache
+from rollout_fleet.worker import Coordination, RequestsRejected, RolloutWorker, VersionCache, WorkerSettings
+from rollout_fleet.workflows import build_workflow
+from rollout_fleet.workflows.base import Scorer, WorkflowContext
+from rollout_fleet.workflows.stats import WorkerStats
 
 log = logging.getLogger("streamrl.rollout")
 
@@ -177,23 +180,19 @@ async def open_worker(
         )
         scorer, options = scorer_of(rollout)
         await rewards.start()
+        context = WorkflowContext(task, tok, rollout, Scorer(rewards, scorer, dict(options)), WorkerStats())
+        coordination = Coordination(
+            client,
+            dispatch,
+            admission,
+            versions,
+            Producer(client, shared, broker, producer_id=worker_id),
+            MetricsWriter(client, shared, "rollout", maxlen=broker.metrics_maxlen),
+        )
         yield RolloutWorker(
-            shared=shared,
-            rollout=rollout,
-            redis=client,
-            router=router,
-            dispatch=dispatch,
-            admission=admission,
-            versions=versions,
-            producer=Producer(client, shared, broker, producer_id=worker_id),
-            task=task,
-            tokenizer=tok,
-            rewards=rewards,
-            scorer=scorer,
-            scorer_options=options,
-            worker_id=worker_id,
-            metrics=MetricsWriter(client, shared, "rollout", maxlen=broker.metrics_maxlen),
-            adapter_name=adapter_name,
+            WorkerSettings(shared, rollout, worker_id),
+            coordination,
+            build_workflow(context, router, versions, adapter_name),
         )
     finally:
         if router is not None:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollout_fleet.worker import RolloutWorker
+from rollout_fleet.workflows.session import EngineSession
 from tests.test_up import metrics_base_port, up
 from weight_sync.config import WeightSyncConfig
 
@@ -20,11 +20,11 @@ def test_requests_name_the_published_versions_adapter() -> None:
     payload = {"input_ids": [1, 2], "rid": "g:s0:r0"}
     for version, expected in ((0, None), (1, "policy-v1"), (7, "policy-v7")):
         worker = SimpleNamespace(adapter_name=names, versions=SimpleNamespace(value=version))
-        got = RolloutWorker._select_adapter(worker, payload)  # type: ignore[arg-type]
+        got = EngineSession.select_adapter(worker, payload)  # type: ignore[arg-type]
         assert got.get("lora_path") == expected
         assert {k: v for k, v in got.items() if k != "lora_path"} == payload
     plain = SimpleNamespace(adapter_name=None, versions=SimpleNamespace(value=3))
-    assert RolloutWorker._select_adapter(plain, payload) == payload  # type: ignore[arg-type]
+    assert EngineSession.select_adapter(plain, payload) == payload  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
