@@ -6,10 +6,20 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import pytest
+from pydantic import Discriminator, Field, Tag
 
-from common.configlib import ConfigError, dump_config, iter_fields, load_config
+from common.configlib import (
+    REQUIRED,
+    ConfigError,
+    Section,
+    dump_config,
+    iter_fields,
+    load_config,
+    render_help,
+)
 from streamrl.cli import main
 from streamrl.config import StreamRLConfig, load
 
@@ -295,3 +305,56 @@ def test_help_groups_each_tasks_fields_under_its_name(capsys: pytest.CaptureFixt
     assert "use_all" in groups["countdown"] and "use_all" not in groups["arithmetic"]
     assert groups["openenv"][0] == "env_url" and "--rollout.task.env_url str (default: required)" in out
     assert set(groups) == {*names.split(","), "package.module"}
+
+
+class _Adder(Section):
+    """add: sums two numbers."""
+
+    name: Literal["add"] = Field("add", description="The part.")
+    left: int = Field(1, description="Left operand.")
+
+
+class _Echo(Section):
+    """echo: says it back."""
+
+    name: Literal["echo"] = Field("echo", description="The part.")
+    text: str = Field(description="What to say.")
+
+
+def _part_name(value: Any) -> str:
+    return value.get("name", "add") if isinstance(value, dict) else value.name
+
+
+class _Section(Section):
+    part: Annotated[
+        Annotated[_Adder, Tag("add")] | Annotated[_Echo, Tag("echo")], Discriminator(_part_name)
+    ] = Field(default_factory=_Adder, description="The part.")
+
+
+class _Tree(Section):
+    sec: _Section = Field(default_factory=_Section, description="A section.")
+
+
+def test_configlib_lists_a_union_once_per_member_and_groups_its_help() -> None:
+    assert list(iter_fields(_Tree)) == [
+        (
+            "sec.part.name",
+            "{add,echo}",
+            "add",
+            "Selects the part; each one's fields are listed under its name.",
+        ),
+        ("sec.part.left", "int", 1, "Left operand."),
+        ("sec.part.text", "str", REQUIRED, "What to say."),
+    ]
+    assert render_help(_Tree).splitlines() == [
+        "[sec]  A section.",
+        "  --sec.part.name {add,echo} (default: 'add')",
+        "      Selects the part; each one's fields are listed under its name.",
+        "  sec.part.name = add: sums two numbers.",
+        "    --sec.part.left int (default: 1)",
+        "        Left operand.",
+        "  sec.part.name = echo: says it back.",
+        "    --sec.part.text str (default: required)",
+        "        What to say.",
+    ]
+    assert load_config(_Tree, ["--sec.part.name=echo", "--sec.part.text=hi"]).sec.part == _Echo(text="hi")
