@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "seed": seed,
                 "after": after,
-                "evaluator_greedy_before": tool["eval_reward_before"],
-                "evaluator_greedy_after": tool["eval_reward_after"],
+                "evaluator_greedy_before": tool["eval_greedy_accuracy_before"],
+                "evaluator_greedy_after": tool["eval_greedy_accuracy_after"],
                 "samples_trained": tool["samples_trained"],
                 "mean_staleness": tool["mean_staleness"],
                 "seconds_per_step_multi_turn": seconds_per_step(tool),

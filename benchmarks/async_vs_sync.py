@@ -86,9 +86,9 @@ def one_run(summary: dict) -> dict:
         # start-up (imports, model load) is the same for every eta and would only dilute the ratio.
         "wall_seconds": summary["learner_wait_seconds"] + summary["learner_train_seconds"],
         "process_wall_seconds": summary["training_wall_seconds"],
-        "eval_reward": summary["eval_reward_after"],
-        "eval_reward_before": summary["eval_reward_before"],
-        "eval_sampled": summary["eval_sampled_after"],
+        "eval_reward": summary["eval_greedy_accuracy_after"],
+        "eval_reward_before": summary["eval_greedy_accuracy_before"],
+        "eval_sampled": summary["eval_sampled_accuracy_after"],
         "mean_staleness": summary["mean_staleness"],
         "learner_wait_seconds": summary["learner_wait_seconds"],
         "learner_train_seconds": summary["learner_train_seconds"],

@@ -628,7 +628,7 @@ def colocated_up(
         for p in applied
         if p.get("sync_engines_ok") != engines or p.get("sync_engines_failed", 0) != 0
     ]
-    before, after = summary.get("eval_reward_before"), summary.get("eval_reward_after")
+    before, after = summary.get("eval_greedy_accuracy_before"), summary.get("eval_greedy_accuracy_after")
     done = summary.get("steps")
     problems = []
     if done != steps:

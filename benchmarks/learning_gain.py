@@ -87,12 +87,12 @@ def run_once(run_dir: Path, model: Path, extra: list[str], kills: tuple[tuple[in
         raise RuntimeError(f"streamrl up failed:\n{out[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     return {
-        "before": summary["eval_reward_before"],
-        "after": summary["eval_reward_after"],
-        "gain": summary["eval_reward_after"] - summary["eval_reward_before"],
+        "before": summary["eval_greedy_accuracy_before"],
+        "after": summary["eval_greedy_accuracy_after"],
+        "gain": summary["eval_greedy_accuracy_after"] - summary["eval_greedy_accuracy_before"],
         "best": summary["eval_best_greedy"],
         "best_version": summary["eval_best_version"],
-        "best_gain": summary["eval_best_greedy"] - summary["eval_reward_before"],
+        "best_gain": summary["eval_best_greedy"] - summary["eval_greedy_accuracy_before"],
         "eval_version_after": summary["eval_version_after"],
         "evaluations": summary.get("eval_trained_count"),
         "stale_fraction": summary["audit"]["dropped_by_reason"].get("stale", 0)

@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"seed {seed}: the 'after' evaluation is not of the final policy: {s}")
         runs.append(
             {
-                "eval_reward": s["eval_reward_after"],
-                "eval_reward_before": s["eval_reward_before"],
-                "eval_sampled": s["eval_sampled_after"],
+                "eval_reward": s["eval_greedy_accuracy_after"],
+                "eval_reward_before": s["eval_greedy_accuracy_before"],
+                "eval_sampled": s["eval_sampled_accuracy_after"],
                 "training_wall_seconds": s["learner_wait_seconds"] + s["learner_train_seconds"],
                 "process_wall_seconds": s["wall_seconds"],
                 "mean_staleness": s["mean_staleness"],

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Tag, ValidationError
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -143,36 +143,115 @@ def _type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-def iter_fields(model: type[BaseModel], prefix: str = "") -> typing.Iterator[tuple[str, str, Any, str]]:
-    """Yield (dotted name, type, default, doc) for every leaf field of a config tree."""
+def _variants(annotation: Any) -> list[tuple[str, type[BaseModel]]] | None:
+    """(tag, class) of each member of a union of config classes (a discriminated union), else None."""
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return None
+    out = []
+    for member in typing.get_args(annotation):
+        meta: tuple[Any, ...] = ()
+        if typing.get_origin(member) is typing.Annotated:
+            member, *rest = typing.get_args(member)
+            meta = tuple(rest)
+        if not (isinstance(member, type) and issubclass(member, BaseModel)):
+            return None
+        tag = next((m.tag for m in meta if isinstance(m, Tag)), member.__name__)
+        out.append((tag, member))
+    return out
+
+
+def _walk(model: type[BaseModel], prefix: str = "", group: str = "") -> typing.Iterator[FieldRow]:
     for name, field in model.model_fields.items():
         dotted = f"{prefix}{name}"
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            yield from iter_fields(annotation, dotted + ".")
+            yield from _walk(annotation, dotted + ".", group)
             continue
-        default = field.get_default(call_default_factory=True)
-        yield dotted, _type_name(annotation), default, field.description or ""
+        variants = _variants(annotation)
+        if variants is not None:
+            yield from _walk_union(dotted, field.get_default(call_default_factory=True), variants)
+            continue
+        default = REQUIRED if field.is_required() else field.get_default(call_default_factory=True)
+        yield FieldRow(dotted, _type_name(annotation), default, field.description or "", group)
+
+
+def _walk_union(
+    dotted: str, default: Any, variants: list[tuple[str, type[BaseModel]]]
+) -> typing.Iterator[FieldRow]:
+    """A union selected by its ``name`` field: the name once, then each member's own fields under its tag."""
+    shown = {tag: _shown_name(tag, member) for tag, member in variants}
+    doc = f"Selects the {dotted.rsplit('.', 1)[-1]}; each one's fields are listed under its name."
+    yield FieldRow(
+        f"{dotted}.name", "{" + ",".join(shown.values()) + "}", getattr(default, "name", None), doc, ""
+    )
+    for tag, member in variants:
+        summary = (member.__doc__ or "").strip().splitlines()[0].removeprefix(f"{tag}: ")
+        label = f"{dotted}.name = {shown[tag]}: {summary}"
+        rows = [row for row in _walk(member, dotted + ".", label) if row.dotted != f"{dotted}.name"]
+        yield from rows or [FieldRow("", "", None, "", label)]  # a member with no fields still shows its name
+
+
+def _shown_name(tag: str, member: type[BaseModel]) -> str:
+    """A member's tag when its ``name`` is a Literal; else (any name) the name field's doc, e.g. a pattern."""
+    field = member.model_fields["name"]
+    if typing.get_origin(field.annotation) is typing.Literal:
+        return tag
+    return (field.description or tag).rstrip(".")
+
+
+class _Required:
+    """The default shown for a field that has none."""
+
+    def __repr__(self) -> str:
+        return "required"
+
+
+REQUIRED = _Required()
+
+
+class FieldRow(typing.NamedTuple):
+    """One leaf field: ``group`` names the union member it belongs to ("" outside a union)."""
+
+    dotted: str
+    type_name: str
+    default: Any
+    doc: str
+    group: str
+
+
+def iter_fields(model: type[BaseModel], prefix: str = "") -> typing.Iterator[tuple[str, str, Any, str]]:
+    """Yield (dotted name, type, default, doc) for every leaf field of a config tree; a field of a union of
+    config classes once per member that has it."""
+    for row in _walk(model, prefix):
+        if row.dotted:
+            yield row.dotted, row.type_name, row.default, row.doc
 
 
 def render_help(
     model: type[BaseModel], sections: typing.Iterable[str] | None = None, fields: typing.Iterable[str] = ()
 ) -> str:
     """Every field of the selected sections (all when None), plus the single dotted ``fields`` named, with its
-    type, default and one-line doc."""
+    type, default and one-line doc; a union's fields grouped under each member's name."""
     wanted = set(sections) if sections is not None else None
     singles = set(fields)
     lines = []
-    current = None
-    for dotted, type_name, default, doc in iter_fields(model):
-        section = dotted.split(".", 1)[0]
-        if wanted is not None and section not in wanted and dotted not in singles:
+    current, current_group = None, ""
+    for row in _walk(model):
+        section = (row.dotted or row.group).split(".", 1)[0]
+        if wanted is not None and section not in wanted and row.dotted not in singles:
             continue
         if section != current:
-            current = section
+            current, current_group = section, ""
             section_doc = (model.model_fields[section].description or "").strip()
             lines.append(f"\n[{section}]  {section_doc}".rstrip())
-        shown = str(default) if isinstance(default, Path) else repr(default)
-        lines.append(f"  --{dotted} {type_name} (default: {shown})")
-        lines.append(f"      {doc}")
+        if row.group != current_group:
+            current_group = row.group
+            if row.group:
+                lines.append(f"  {row.group}")
+        if not row.dotted:
+            continue
+        indent = "    " if row.group else "  "
+        shown = str(row.default) if isinstance(row.default, Path) else repr(row.default)
+        lines.append(f"{indent}--{row.dotted} {row.type_name} (default: {shown})")
+        lines.append(f"{indent}    {row.doc}")
     return "\n".join(lines).lstrip("\n")

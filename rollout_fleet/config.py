@@ -9,6 +9,7 @@ from pydantic import Field
 
 from common.configlib import Section
 from rollout_fleet.sandbox import SandboxConfig
+from rollout_fleet.tasks.arithmetic import ArithmeticConfig
 from rollout_fleet.tasks.config import RewardConfig, TaskConfig
 
 
@@ -125,7 +126,10 @@ class RolloutConfig(Section):
     worker_id: str | None = Field(
         None, description="This worker's name (unique in the run, no ':'); unset is host-pid-random."
     )
-    task: TaskConfig = Field(default_factory=TaskConfig, description="The task: prompts plus verifier.")
+    task: TaskConfig = Field(
+        default_factory=ArithmeticConfig,
+        description="The task: prompts plus verifier; rollout.task.name selects it and its fields.",
+    )
     reward: RewardConfig = Field(default_factory=RewardConfig, description="The reward process pool.")
     sandbox: SandboxConfig = Field(
         default_factory=SandboxConfig,

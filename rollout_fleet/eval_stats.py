@@ -1,5 +1,9 @@
 """Held-out statistics from scored completions: accuracy, pass@k, accuracy per difficulty bucket.
 
+This module is the one definition of held-out accuracy: ``summary.json`` (through the evaluator), the warm
+starts' stopping rules and checks, and the TRL comparison (``rollout_fleet.evaluation``) all use
+:func:`accuracy` / :func:`solved`.
+
 What counts as solved (``solved``): the reward's ``correct`` component when it has one (every built-in task's
 verifier has; a custom reward function may return it too), else a reward above 0, so a function that only
 returns a number counts as pass/fail. A reward that timed out or failed is unsolved (and counted apart as
@@ -27,6 +31,16 @@ def solved(result: RewardResult) -> bool:
     if "correct" in result.components:
         return result.components["correct"] > 0
     return result.reward > 0
+
+
+def accuracy(results: Sequence[RewardResult]) -> float:
+    """The fraction of results :func:`solved` (0.0 when there are none)."""
+    return sum(solved(r) for r in results) / len(results) if results else 0.0
+
+
+def format_rate(results: Sequence[RewardResult]) -> float:
+    """The mean ``format`` component (0 where a result has none), 0.0 when there are no results."""
+    return sum(r.components.get("format", 0.0) for r in results) / len(results) if results else 0.0
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

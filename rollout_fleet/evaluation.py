@@ -1,9 +1,11 @@
 """Held-out evaluation: greedy and sampled (T = 1) accuracy of a model on a task's test split.
 
 Plain torch + transformers on CPU (or wherever the model lives): prompts are left-padded into one batch,
-prefilled once, then decoded one token per step with the KV cache; a sequence stops at EOS. This is the
-yardstick of every "accuracy before / after" number in the project (``summary.json``'s ``eval_reward_*``
-are ``greedy_accuracy``): correctness only, whatever the task's RL reward adds for format.
+prefilled once, then decoded one token per step with the KV cache; a sequence stops at EOS. The warm starts
+and the TRL comparison (``benchmarks/vs_trl``) measure with it; ``summary.json``'s numbers come from the
+evaluator instead (``rollout_fleet.evaluator``: the engines serve the policy, scored by the training reward),
+but both count accuracy the same way, :func:`rollout_fleet.eval_stats.accuracy` (correctness only, whatever
+the task's RL reward adds for format). Here the task's own verifier scores.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rollout_fleet.eval_stats import accuracy, format_rate
 from rollout_fleet.tasks import TEST, Prompt, Task, get_task
 
 DEFAULT_MAX_NEW_TOKENS = 96  # the longest arithmetic completion is 90 characters + EOS
@@ -157,7 +160,7 @@ def evaluate(
     """Accuracy of ``model`` (a model directory or an in-memory causal LM plus its tokenizer) on ``split``.
 
     Returns greedy_accuracy, sampled_accuracy (one sample per prompt at T = 1), format_rate (greedy) and
-    sampled_format_rate (fractions of prompts), and n. Accuracy is the task's ``correct`` component.
+    sampled_format_rate (fractions of prompts), and n. Accuracy is :func:`rollout_fleet.eval_stats.accuracy`.
     """
     if isinstance(model, str | Path):
         model, loaded = load_model(model)
@@ -198,8 +201,4 @@ def _score(
         model, tokenizer, [p.text for p in prompts], max_new_tokens, temperature, seed, batch_size
     )
     results = [task.score(p, tokenizer.decode(ids)) for p, ids in zip(prompts, outputs, strict=True)]
-    n = max(len(results), 1)
-    return (
-        sum(r.components.get("correct", 0.0) for r in results) / n,
-        sum(r.components.get("format", 0.0) for r in results) / n,
-    )
+    return accuracy(results), format_rate(results)

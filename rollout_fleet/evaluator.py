@@ -52,7 +52,16 @@ from rollout_fleet.client import (
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.envs.base import EnvironmentTask
 from rollout_fleet.envs.episode import EpisodeBudgets, TurnOutput, run_episode
-from rollout_fleet.eval_stats import buckets_of, by_bucket, component_means, pass_at_k_of, pass_at_ks, solved
+from rollout_fleet.eval_stats import (
+    accuracy,
+    buckets_of,
+    by_bucket,
+    component_means,
+    format_rate,
+    pass_at_k_of,
+    pass_at_ks,
+    solved,
+)
 from rollout_fleet.rewards import RewardPool
 from rollout_fleet.tasks import TEST, Prompt, RewardResult, Task
 
@@ -367,9 +376,9 @@ def summarise(
         **_bucket_metrics(task, prompts, g_solved, [c / samples for c in s_counts]),
     }
     return {
-        "greedy_accuracy": sum(g_solved) / len(g),
-        "sampled_accuracy": sum(s_counts) / len(flat),
-        "format_rate": sum(r.components.get("format", 0.0) for r in g) / len(g),
+        "greedy_accuracy": accuracy(g),
+        "sampled_accuracy": accuracy(flat),
+        "format_rate": format_rate(g),
         "n": len(g),
         "version": min(versions),
         "max_version": max(versions),

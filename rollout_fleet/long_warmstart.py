@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from rollout_fleet.eval_stats import accuracy
 from rollout_fleet.evaluation import generate
 from rollout_fleet.model import (
     LONG_CONTEXT_SPEC,
@@ -160,7 +161,7 @@ def length_report(
     return {
         "n": len(prompts),
         "format_rate": statistics.mean(s.components["format"] for s in scores),
-        "correct_rate": statistics.mean(s.components["correct"] for s in scores),
+        "correct_rate": accuracy(scores),
         "steps_mean": statistics.mean(s.components["steps"] for s in scores),
         "mean_output_tokens": statistics.mean(lengths),
         "max_output_tokens": max(lengths),

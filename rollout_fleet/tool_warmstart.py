@@ -34,6 +34,7 @@ import torch
 
 from rollout_fleet.envs.episode import Episode, EpisodeBudgets, TurnOutput, run_episode
 from rollout_fleet.envs.tools import tool_observation
+from rollout_fleet.eval_stats import solved
 from rollout_fleet.evaluation import generate_ids
 from rollout_fleet.model import TinyModelSpec, build_model, build_tokenizer, cache_root
 from rollout_fleet.tasks import TEST, Prompt
@@ -265,7 +266,7 @@ def episode_metrics(
     tool_hits = tool_episodes = 0
     for prompt, episode in zip(prompts, episodes, strict=True):
         score = task.score(prompt, tokenizer.decode(episode.tokens, skip_special_tokens=False))
-        correct, fmt = score.components["correct"], score.components["format"]
+        correct, fmt = float(solved(score)), score.components["format"]
         rows[task.difficulty(prompt) or "direct"].append((correct, fmt, episode.tool_calls > 0))
         turns += len(episode.turns)
         tokens += len(episode.tokens)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from rollout_fleet.eval_stats import solved
 from rollout_fleet.evaluation import evaluate, generate
 from rollout_fleet.model import TinyModelSpec, build_model, build_tokenizer, cache_root, save_model_dir
 from rollout_fleet.tasks import Prompt
@@ -184,10 +185,7 @@ def step_loss(
 def validation_accuracy(model: Any, tokenizer: Any, task: ArithmeticTask, prompts: list[Prompt]) -> float:
     """Greedy accuracy on train-split validation prompts (the stopping rule's measure)."""
     outputs = generate(model, tokenizer, [p.text for p in prompts])
-    hits = sum(
-        task.score(p, tokenizer.decode(ids)).components["correct"]
-        for p, ids in zip(prompts, outputs, strict=True)
-    )
+    hits = sum(solved(task.score(p, tokenizer.decode(ids))) for p, ids in zip(prompts, outputs, strict=True))
     return hits / len(prompts)
 
 

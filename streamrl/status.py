@@ -160,7 +160,7 @@ class StatusReader:
         """The run's best held-out greedy accuracy among its evaluations of trained policies (version > 0: the
         live evaluator's and the final one), the version it was of, and how many such evaluations there were
         (the live ones run on a clock: a loaded machine makes fewer). A run that learned and then fell shows it
-        here beside ``eval_reward_after``."""
+        here beside ``eval_greedy_accuracy_after``."""
         try:
             rows = self.client.xrange(metrics_key(self.config.shared, "eval")) if self.client else []
         except (redis.RedisError, OSError):

@@ -50,6 +50,7 @@ from rollout_fleet.fleet import engine_ranks
 from streamrl import devices, manifest
 from streamrl.config import StreamRLConfig
 from streamrl.status import StatusReader
+from streamrl.summary import GREEDY_AFTER, GREEDY_BEFORE, SAMPLED_AFTER, SAMPLED_BEFORE
 from streamrl.supervisor import ChildSpec, Supervisor
 
 if TYPE_CHECKING:
@@ -456,10 +457,10 @@ def write_summary(
 
     before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
     out = {
-        "eval_reward_before": before.get("greedy_accuracy"),
-        "eval_reward_after": after.get("greedy_accuracy"),
-        "eval_sampled_before": before.get("sampled_accuracy"),
-        "eval_sampled_after": after.get("sampled_accuracy"),
+        GREEDY_BEFORE: before.get("greedy_accuracy"),
+        GREEDY_AFTER: after.get("greedy_accuracy"),
+        SAMPLED_BEFORE: before.get("sampled_accuracy"),
+        SAMPLED_AFTER: after.get("sampled_accuracy"),
         "eval_version_before": before.get("policy_version"),
         "eval_version_after": after.get("policy_version"),
         # the final policy's version, and whether eval_*_after measured it (false: a warning was printed)
@@ -516,9 +517,8 @@ def format_summary(s: dict[str, Any]) -> str:
         after_note = f"   (NOT the final policy {s.get('final_policy_version')}: no engine served it)"
     lines = [
         "streamrl run summary",
-        f"  held-out accuracy (greedy): {pct(s['eval_reward_before'])} -> {pct(s['eval_reward_after'])}"
-        + after_note,
-        f"  held-out accuracy (sampled): {pct(s['eval_sampled_before'])} -> {pct(s['eval_sampled_after'])}",
+        f"  held-out accuracy (greedy): {pct(s[GREEDY_BEFORE])} -> {pct(s[GREEDY_AFTER])}" + after_note,
+        f"  held-out accuracy (sampled): {pct(s[SAMPLED_BEFORE])} -> {pct(s[SAMPLED_AFTER])}",
         _eval_detail_line(s),
         f"  steps: {s.get('steps')}   policy version: {s.get('policy_version')}",
         f"  samples trained: {s.get('samples_trained')}   dropped: {s.get('samples_dropped')} {dropped}",

@@ -22,7 +22,7 @@ from rollout_fleet.envs.episode import EpisodeBudgets, TurnOutput, run_episode
 from rollout_fleet.envs.tools import ToolCallError, calculate, parse_tool_call, tool_observation
 from rollout_fleet.model import build_tokenizer
 from rollout_fleet.tasks import TEST, TRAIN, get_task
-from rollout_fleet.tasks.config import TaskConfig
+from rollout_fleet.tasks.config import task_config
 from tests.agentic_tasks import EchoEnv
 from tests.test_rollout_worker import (
     configs,
@@ -117,7 +117,7 @@ async def test_the_worker_writes_multi_turn_records_token_in_token_out(
         monkeypatch.setenv("ECHO_BUMP_URL", srv.url)  # a weight version change after the first turn
         shared, engine, rollout = configs(
             model_dir, [srv.url], group_size=2, max_new_tokens=64, max_tokens_per_turn=4,
-            task=TaskConfig(name="tests.agentic_tasks:EchoTask", train_size=3), batch_group_requests=batch,
+            task=task_config(name="tests.agentic_tasks:EchoTask", train_size=3), batch_group_requests=batch,
         )  # fmt: skip
         stats = await run_worker(redis_url, shared, engine, rollout)
     groups = await read_records(redis_url, shared)
@@ -258,7 +258,7 @@ async def test_held_out_evaluation_runs_multi_turn_tasks_as_episodes(model_dir: 
 
     config = EvalConfig(every_versions=2, heldout_prompts=3, max_new_tokens=32, concurrency=4, poll_s=0.05)
     with serving(model_dir) as srv:
-        _, _, rollout = configs(model_dir, [srv.url], task=TaskConfig(name="tests.agentic_tasks:EchoTask"))
+        _, _, rollout = configs(model_dir, [srv.url], task=task_config(name="tests.agentic_tasks:EchoTask"))
         tokenizer = load_tokenizer(model_dir)
         task = build_task(rollout.task, tokenizer)
         async with reward_pool(rollout) as pool:

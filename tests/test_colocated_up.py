@@ -73,5 +73,8 @@ def test_colocated_up_sleeps_the_engines_each_step_updates_by_handle_and_survive
     report = audit(run_dir)
     assert report["ok"] and report["lost"] == 0 and report["trained_twice"] == 0, report
     assert report["trained"] == STEPS * 16  # each step's batch counted once, however often it ran
-    gain = summary["eval_reward_after"] - summary["eval_reward_before"]
-    assert gain >= MIN_FINAL_GAIN, (summary["eval_reward_before"], summary["eval_reward_after"])
+    gain = summary["eval_greedy_accuracy_after"] - summary["eval_greedy_accuracy_before"]
+    assert gain >= MIN_FINAL_GAIN, (
+        summary["eval_greedy_accuracy_before"],
+        summary["eval_greedy_accuracy_after"],
+    )

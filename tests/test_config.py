@@ -6,10 +6,20 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import pytest
+from pydantic import Discriminator, Field, Tag
 
-from common.configlib import ConfigError, iter_fields, load_config
+from common.configlib import (
+    REQUIRED,
+    ConfigError,
+    Section,
+    dump_config,
+    iter_fields,
+    load_config,
+    render_help,
+)
 from streamrl.cli import main
 from streamrl.config import StreamRLConfig, load
 
@@ -218,3 +228,152 @@ def test_redis_is_told_the_ports_up_promised_the_other_servers(
     monkeypatch.setattr(broker.main, "run_redis", lambda *args: passed.setdefault("avoid", args[3]) and 0)
     cli._run_redis(cfg)
     assert passed["avoid"] == promised_ports(cfg)
+
+
+# every built-in task with options other than its defaults, as a user writes them on the command line
+TASK_FLAGS = {
+    "arithmetic": ["--rollout.task.seed=3", "--rollout.task.format_weight=0.1"],
+    "long_multiplication": [
+        "--rollout.task.min_digits=2",
+        "--rollout.task.max_digits=5",
+        "--rollout.task.step_weight=0",
+    ],
+    "gsm8k": [
+        "--rollout.task.dataset=d.jsonl",
+        "--rollout.task.instruction=",
+        "--rollout.task.chat_template=always",
+    ],
+    "countdown": ["--rollout.task.use_all=true", "--rollout.task.max_target=50", "--rollout.task.seed=1"],
+    "dataset": ["--rollout.task.dataset=d.jsonl", "--rollout.task.prompt_field=q.text"],
+    "tool_arithmetic": ["--rollout.task.heldout_size=20"],
+    "openenv": ["--rollout.task.env_url=http://127.0.0.1:1", "--rollout.task.env_timeout_s=2"],
+    "verifiers": ["--rollout.task.verifiers_taskset=t", '--rollout.task.verifiers_config={"a": {"b": 1}}'],
+    "tests.agentic_tasks:EchoTask": ["--rollout.task.observations=3"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(TASK_FLAGS))
+def test_every_task_config_round_trips_through_the_run_directory(tmp_path: Path, name: str) -> None:
+    """`up` writes the resolved config (dump_config) and every role reads it back with --config."""
+    cfg = load([f"--rollout.task.name={name}", *TASK_FLAGS[name]])
+    dump_config(cfg, tmp_path / "config.toml")
+    again = load(["--config", str(tmp_path / "config.toml")])
+    assert type(again.rollout.task) is type(cfg.rollout.task) and again.rollout.task == cfg.rollout.task
+    assert again.rollout.task.options() == cfg.rollout.task.options() != {}
+
+
+def test_the_task_name_selects_the_class_and_its_fields(tmp_path: Path) -> None:
+    cfg = load(["--rollout.task.name=long_multiplication", "--rollout.task.min_digits=2"])
+    assert type(cfg.rollout.task).__name__ == "LongMultiplicationConfig"
+    assert (cfg.rollout.task.min_digits, cfg.rollout.task.max_digits, cfg.rollout.task.step_weight) == (
+        2,
+        27,
+        0.5,
+    )
+    assert type(load([]).rollout.task).__name__ == "ArithmeticConfig"
+    # a config file written for today's tasks: the same keys under [rollout.task]
+    path = tmp_path / "run.toml"
+    path.write_text('[rollout.task]\nname = "countdown"\nuse_all = true\nseed = 4\nformat_weight = 0.5\n')
+    task = load(["--config", str(path)]).rollout.task
+    assert (task.name, task.use_all, task.seed, task.format_weight, task.max_number) == (
+        "countdown",
+        True,
+        4,
+        0.5,
+        99,
+    )
+
+
+def test_a_field_of_another_task_is_refused_naming_the_field_and_the_task(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="step_weight: not a field of task arithmetic"):
+        load(["--rollout.task.step_weight=0.5"])  # the default task
+    path = tmp_path / "run.toml"
+    path.write_text('[rollout.task]\nname = "dataset"\nseed = 1\n')  # dataset prompts are not generated
+    with pytest.raises(ConfigError, match=r"seed: not a field of task dataset \(its fields: .*prompt_field"):
+        load(["--config", str(path)])
+    with pytest.raises(
+        ConfigError, match="rollout.task.long_multiplication.*min_digits = 5 is above max_digits = 4"
+    ):
+        load(
+            [
+                "--rollout.task.name=long_multiplication",
+                "--rollout.task.min_digits=5",
+                "--rollout.task.max_digits=4",
+            ]
+        )
+    with pytest.raises(ConfigError, match="unknown task 'nope'"):
+        load(["--rollout.task.name=nope"])
+    with pytest.raises(ConfigError, match="env_url"):
+        load(["--rollout.task.name=openenv"])  # required: checked when the config is read, not at build
+
+
+def test_help_groups_each_tasks_fields_under_its_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["rollout", "--help"]) == 0
+    out = capsys.readouterr().out
+    names = "arithmetic,long_multiplication,gsm8k,countdown,dataset,tool_arithmetic,openenv,verifiers"
+    assert f"--rollout.task.name {{{names},package.module:Class}} (default: 'arithmetic')" in out
+    groups: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        if line.startswith("  rollout.task.name = "):
+            group = groups.setdefault(line.split(" = ", 1)[1].split(":", 1)[0], [])
+        elif line.startswith("    --rollout.task."):
+            group.append(line.split()[0].removeprefix("--rollout.task."))
+    assert groups["long_multiplication"] == [
+        "seed", "train_size", "heldout_size", "format_weight", "min_digits", "max_digits", "step_weight",
+    ]  # fmt: skip
+    assert "use_all" in groups["countdown"] and "use_all" not in groups["arithmetic"]
+    assert groups["openenv"][0] == "env_url" and "--rollout.task.env_url str (default: required)" in out
+    assert set(groups) == {*names.split(","), "package.module"}
+
+
+class _Adder(Section):
+    """add: sums two numbers."""
+
+    name: Literal["add"] = Field("add", description="The part.")
+    left: int = Field(1, description="Left operand.")
+
+
+class _Echo(Section):
+    """echo: says it back."""
+
+    name: Literal["echo"] = Field("echo", description="The part.")
+    text: str = Field(description="What to say.")
+
+
+def _part_name(value: Any) -> str:
+    return value.get("name", "add") if isinstance(value, dict) else value.name
+
+
+class _Section(Section):
+    part: Annotated[
+        Annotated[_Adder, Tag("add")] | Annotated[_Echo, Tag("echo")], Discriminator(_part_name)
+    ] = Field(default_factory=_Adder, description="The part.")
+
+
+class _Tree(Section):
+    sec: _Section = Field(default_factory=_Section, description="A section.")
+
+
+def test_configlib_lists_a_union_once_per_member_and_groups_its_help() -> None:
+    assert list(iter_fields(_Tree)) == [
+        (
+            "sec.part.name",
+            "{add,echo}",
+            "add",
+            "Selects the part; each one's fields are listed under its name.",
+        ),
+        ("sec.part.left", "int", 1, "Left operand."),
+        ("sec.part.text", "str", REQUIRED, "What to say."),
+    ]
+    assert render_help(_Tree).splitlines() == [
+        "[sec]  A section.",
+        "  --sec.part.name {add,echo} (default: 'add')",
+        "      Selects the part; each one's fields are listed under its name.",
+        "  sec.part.name = add: sums two numbers.",
+        "    --sec.part.left int (default: 1)",
+        "        Left operand.",
+        "  sec.part.name = echo: says it back.",
+        "    --sec.part.text str (default: required)",
+        "        What to say.",
+    ]
+    assert load_config(_Tree, ["--sec.part.name=echo", "--sec.part.text=hi"]).sec.part == _Echo(text="hi")

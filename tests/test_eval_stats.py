@@ -8,8 +8,10 @@ import math
 import pytest
 
 from rollout_fleet.eval_stats import (
+    accuracy,
     buckets_of,
     by_bucket,
+    format_rate,
     k_values,
     pass_at_k,
     pass_at_k_of,
@@ -17,7 +19,7 @@ from rollout_fleet.eval_stats import (
     solved,
 )
 from rollout_fleet.evaluator import EvalReward, summarise
-from rollout_fleet.tasks import TEST, Prompt, RewardResult, get_task
+from rollout_fleet.tasks import TEST, TRAIN, Prompt, RewardResult, Task, get_task
 
 
 @pytest.mark.parametrize(
@@ -58,6 +60,58 @@ def test_solved_is_the_correct_component_else_a_positive_reward() -> None:
     assert solved(RewardResult(0.25, {"hit": 0.0}))  # no `correct`: pass/fail on the reward
     assert not solved(RewardResult(0.0)) and not solved(RewardResult(-1.0))
     assert not solved(RewardResult.failed("timeout", "ran past 5 s"))
+
+
+# one of each kind: no `correct` but a reward (solved), format credit only, a failed scorer, a right answer
+KINDS = (
+    RewardResult(1.0),
+    RewardResult(0.5, {"correct": 0.0, "format": 1.0}),
+    RewardResult.failed("error", "boom"),
+    RewardResult(1.0, {"correct": 1.0, "format": 1.0}),
+)
+
+
+def test_accuracy_is_the_fraction_solved() -> None:
+    assert accuracy(KINDS) == 2 / 4 and format_rate(KINDS) == 2 / 4
+    assert accuracy([]) == 0.0 and format_rate([]) == 0.0
+
+
+class _FixedScores(Task):
+    """Scores each prompt with KINDS[index], whatever the model wrote."""
+
+    name, version = "fixed_scores", "1"
+
+    def num_prompts(self, split: str = TRAIN) -> int:
+        return len(KINDS)
+
+    def make_prompt(self, index: int, split: str = TRAIN) -> Prompt:
+        return Prompt(f"f{index}", "1+1=", "2", split, index)
+
+    def score(self, prompt: Prompt, completion: str) -> RewardResult:
+        return KINDS[prompt.index]
+
+
+def test_the_model_evaluation_counts_accuracy_as_the_evaluator_does() -> None:
+    """rollout_fleet.evaluation (warm starts, the TRL comparison) and summary.json's evaluator agree: the reward
+    without a `correct` component counts as solved (the `correct` mean alone said 1 / 4)."""
+    from rollout_fleet.evaluation import evaluate
+    from rollout_fleet.model import TinyModelSpec, build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    got = evaluate(build_model(TinyModelSpec(), tokenizer), tokenizer, _FixedScores(), max_new_tokens=2)
+    assert (got["greedy_accuracy"], got["sampled_accuracy"], got["format_rate"], got["n"]) == (
+        0.5,
+        0.5,
+        0.5,
+        4,
+    )
+    scored = [[(r, 1)] for r in KINDS]
+    prompts = [_FixedScores().make_prompt(i, TEST) for i in range(4)]
+    out = summarise(_FixedScores(), prompts, scored, scored, EvalReward("fixed_scores", {}, "task"))
+    assert (out["greedy_accuracy"], out["sampled_accuracy"]) == (
+        got["greedy_accuracy"],
+        got["sampled_accuracy"],
+    )
 
 
 def test_buckets_are_ordered_by_their_number_and_skip_prompts_without_one() -> None:

@@ -178,6 +178,15 @@ def test_a_final_evaluation_of_another_version_is_flagged_in_the_summary(
     write_summary(cfg, {"eval_before": current, "eval_after": stale}, 0.0, {})
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["eval_after_is_final_policy"] is False and summary["final_policy_version"] == 5
+    # accuracies are named for what they hold (the greedy one was eval_reward_*, which is not a reward)
+    assert (summary["eval_greedy_accuracy_before"], summary["eval_greedy_accuracy_after"]) == (
+        current["greedy_accuracy"],
+        stale["greedy_accuracy"],
+    )
+    assert (
+        summary["eval_sampled_accuracy_after"] == stale["sampled_accuracy"]
+        and "eval_reward_after" not in summary
+    )
     assert "NOT the final policy 5" in format_summary(summary)
     # pass@k over rollout.group_size (8) samples per prompt, and the arithmetic task's digit buckets
     assert list(summary["eval_pass_at_k_after"]) == ["1", "2", "4", "8"] and stale["samples_per_prompt"] == 8

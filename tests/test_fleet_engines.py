@@ -21,7 +21,7 @@ from rollout_fleet.config import EngineConfig
 from rollout_fleet.fleet import Fleet, FleetError, engine_command
 from rollout_fleet.main import open_worker
 from rollout_fleet.model import init_tiny_model
-from rollout_fleet.tasks.config import TaskConfig
+from rollout_fleet.tasks.config import task_config
 from tests.test_rollout_worker import configs, read_drops, read_records
 
 pytestmark = pytest.mark.timeout(180)
@@ -80,7 +80,7 @@ async def test_a_killed_engine_is_routed_around_and_restarted_and_no_group_is_lo
             group_size=2,
             max_new_tokens=48,
             max_concurrent_groups=4,
-            task=TaskConfig(name="arithmetic", train_size=PROMPTS),
+            task=task_config(name="arithmetic", train_size=PROMPTS),
         )
         async with open_worker(shared, BROKER, engine_cfg, rollout, 100, redis_url) as worker:
             assert sorted(worker.router.urls()) == sorted(urls)

@@ -17,7 +17,7 @@ from common.config import SharedConfig
 from rollout_fleet.config import EngineConfig
 from rollout_fleet.fleet import Fleet
 from rollout_fleet.model import init_tiny_model
-from rollout_fleet.tasks.config import TaskConfig
+from rollout_fleet.tasks.config import task_config
 from tests.test_rollout_worker import configs, read_records, run_worker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
@@ -49,7 +49,7 @@ async def test_a_worker_through_a_launched_sglang_server(redis_url: str, tmp_pat
         (entry,) = await registry.list()
         assert (entry.url, entry.health, entry.ranks, entry.kind) == (url, "healthy", 1, "sglang")
         _, engine_cfg, rollout = configs(
-            model_dir, [url], run_id="sgl", group_size=4, task=TaskConfig(name="arithmetic", train_size=8)
+            model_dir, [url], run_id="sgl", group_size=4, task=task_config(name="arithmetic", train_size=8)
         )
         stats = await run_worker(redis_url, shared, engine_cfg, rollout)
     finally:

@@ -15,6 +15,7 @@ from broker.consumer import Rejected
 from broker.outcomes import Outcome
 from broker.record import synthetic_group
 from streamrl.inspect import main, reward_windows, staleness_histogram
+from streamrl.summary import upgrade_summary
 
 
 def _archive(run_dir: Path) -> None:
@@ -90,6 +91,37 @@ def test_inspect_shows_filters_and_exports(tmp_path: Path) -> None:
     assert sorted((r["outcome_step"], r["reward"]) for r in rows) == [(2, 1.0), (2, 1.0), (3, 1.0)]
     code, _ = _run(str(tmp_path), "--no-pending", "--export", str(export))
     assert all(json.loads(line)["outcome"] != "pending" for line in export.read_text().splitlines())
+
+
+def test_inspect_reads_summaries_of_either_naming(tmp_path: Path) -> None:
+    """summary.json's greedy accuracy was eval_reward_*; a run directory written then shows the same rows."""
+    _archive(tmp_path)
+    for name, before, after in (("eval_reward", 0.25, 0.5), ("eval_greedy_accuracy", 0.125, 0.75)):
+        (tmp_path / "summary.json").write_text(json.dumps({f"{name}_before": before, f"{name}_after": after}))
+        code, out = _run(str(tmp_path), "--samples", "0")
+        rows = {cells[1]: cells[3] for cells in (line.split() for line in out.splitlines()) if len(cells) > 3}
+        assert code == 0
+        assert (rows["eval_greedy_accuracy_before"], rows["eval_greedy_accuracy_after"]) == (
+            str(before),
+            str(after),
+        )
+
+
+def test_upgrade_summary_renames_only_the_old_accuracy_fields() -> None:
+    old = {
+        "eval_reward_before": 0.1,
+        "eval_sampled_after": 0.3,
+        "eval_reward": {"source": "task"},
+        "steps": 4,
+    }
+    assert upgrade_summary(old) == {
+        "eval_greedy_accuracy_before": 0.1,
+        "eval_sampled_accuracy_after": 0.3,
+        "eval_reward": {"source": "task"},  # which reward scored the evaluations: not an accuracy, kept
+        "steps": 4,
+    }
+    new = {"eval_greedy_accuracy_after": 0.5}
+    assert upgrade_summary(new) == new
 
 
 def test_inspect_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

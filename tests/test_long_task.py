@@ -42,7 +42,7 @@ from rollout_fleet.long_warmstart import default_path as default_long_path
 from rollout_fleet.long_warmstart import fingerprint as long_fingerprint
 from rollout_fleet.model import LONG_CONTEXT_SPEC, TinyModelSpec, build_tokenizer, init_tiny_model
 from rollout_fleet.tasks import TEST, Prompt, TaskError, available_tasks, get_task
-from rollout_fleet.tasks.config import TaskConfig, build_task
+from rollout_fleet.tasks.config import build_task, task_config
 from rollout_fleet.tasks.long_multiplication import (
     LongMultiplicationTask,
     Problem,
@@ -197,19 +197,19 @@ def test_heldout_set_is_disjoint_from_train_prompts() -> None:
 def test_options_are_checked_with_clear_errors() -> None:
     assert "long_multiplication" in available_tasks()
     for options, message in [
-        ({"min_digits": 0}, r"min_digits must be an int in \[1, 27\], got 0"),
-        ({"min_digits": 5, "max_digits": 4}, r"min_digits must be an int in \[1, 4\], got 5"),
-        ({"max_digits": 101}, r"max_digits must be an int in \[1, 100\], got 101"),
-        ({"max_digits": 2.5}, r"max_digits must be an int in \[1, 100\], got 2.5"),
-        ({"step_weight": -1}, "step_weight must be a finite number >= 0, got -1"),
-        ({"format_weight": float("nan")}, "format_weight must be a finite number >= 0, got nan"),
-        ({"seed": True}, "seed must be an int >= 0, got True"),
+        ({"min_digits": 0}, r"min_digits = 0: Input should be greater than or equal to 1"),
+        ({"min_digits": 5, "max_digits": 4}, r"min_digits = 5 is above max_digits = 4"),
+        ({"max_digits": 101}, r"max_digits = 101: Input should be less than or equal to 100"),
+        ({"max_digits": 2.5}, r"max_digits = 2.5: Input should be a valid integer"),
+        ({"step_weight": -1}, "step_weight = -1: Input should be greater than or equal to 0"),
+        ({"format_weight": float("nan")}, "format_weight = nan: Input should be a finite number"),
+        ({"seed": True}, "seed = True: Input should be a valid integer"),
     ]:
         with pytest.raises(TaskError, match=message):
             get_task("long_multiplication", **options)
     with pytest.raises(TaskError, match=r"does not take option\(s\) \['use_all'\]"):
         get_task("long_multiplication", use_all=True)
-    task = build_task(TaskConfig(name="long_multiplication", min_digits=3, max_digits=4, step_weight=0.0))
+    task = build_task(task_config(name="long_multiplication", min_digits=3, max_digits=4, step_weight=0.0))
     assert (task.min_digits, task.max_digits, task.step_weight) == (3, 4, 0.0)
     assert all(3 <= len(str(task.problem(i).a)) <= 4 for i in range(100))
 
@@ -350,14 +350,14 @@ async def test_a_rollout_worker_writes_records_with_the_step_credit(redis_url: s
     """The task by name in the worker and its reward pool (another process): records carry every component,
     and the reward is correct + step_weight * steps."""
     with serving(long_base, max_context_len=None, max_running_requests=8, max_total_tokens=4096) as srv:
-        task_config = TaskConfig(name="long_multiplication", train_size=3, min_digits=2, max_digits=3)
+        task_section = task_config(name="long_multiplication", train_size=3, min_digits=2, max_digits=3)
         shared, engine, rollout = configs(
-            long_base, [srv.url], task=task_config, group_size=2, max_new_tokens=40
+            long_base, [srv.url], task=task_section, group_size=2, max_new_tokens=40
         )
         stats = await run_worker(redis_url, shared, engine, rollout)
     assert stats.finished and stats.groups_produced == 3
     groups = await read_records(redis_url, shared)
-    task, tokenizer = build_task(task_config), build_tokenizer()
+    task, tokenizer = build_task(task_section), build_tokenizer()
     assert len(groups) == 3
     for g in groups:
         prompt = task.make_prompt(g.prompt_index)

@@ -21,7 +21,7 @@ from rollout_fleet.envs.openenv import OpenEnvTask
 from rollout_fleet.envs.tools import tool_observation
 from rollout_fleet.model import build_tokenizer
 from rollout_fleet.tasks import TaskError, get_task
-from rollout_fleet.tasks.config import TaskConfig
+from rollout_fleet.tasks.config import task_config
 from tests.openenv_guess import FIRST, MAX_STEPS, WRONG, OneTokenTurns, answer, target_of
 from tests.test_rollout_worker import configs, model_dir, read_drops, read_records, run_worker, serving
 
@@ -95,7 +95,7 @@ async def test_bad_urls_are_clear_errors_at_start() -> None:
     for bad in ("localhost:8000", "ftp://host", "http://", "http://h:notaport"):
         with pytest.raises(TaskError, match="env_url"):
             get_task("openenv", env_url=bad)
-    with pytest.raises(TaskError, match="task.env_url is required"):
+    with pytest.raises(TaskError, match="env_url: Field required"):
         get_task("openenv")
     task = get_task("openenv", env_url=f"http://127.0.0.1:{_free_port()}", env_timeout_s=2.0)
     with pytest.raises(TaskError, match="no OpenEnv server at env_url"):
@@ -105,7 +105,7 @@ async def test_bad_urls_are_clear_errors_at_start() -> None:
 async def test_a_worker_with_an_unreachable_env_url_fails_at_start(redis_url: str, model_dir: Path) -> None:
     url = f"http://127.0.0.1:{_free_port()}"
     shared, engine, rollout = configs(
-        model_dir, ["http://127.0.0.1:1"], task=TaskConfig(name="openenv", env_url=url, env_timeout_s=2.0)
+        model_dir, ["http://127.0.0.1:1"], task=task_config(name="openenv", env_url=url, env_timeout_s=2.0)
     )
     with pytest.raises(TaskError, match=f"no OpenEnv server at env_url = '{url}'"):
         await run_worker(redis_url, shared, engine, rollout)
@@ -118,7 +118,7 @@ async def test_the_worker_runs_openenv_episodes_token_in_token_out(
     with serving(model_dir) as srv:
         shared, engine, rollout = configs(
             model_dir, [srv.url], group_size=2, max_new_tokens=64, max_tokens_per_turn=4, temperature=1.0,
-            task=TaskConfig(name="tests.openenv_guess:OneTokenTurns", env_url=env_url, train_size=4,
+            task=task_config(name="tests.openenv_guess:OneTokenTurns", env_url=env_url, train_size=4,
                             env_observation_field="message"),
         )  # fmt: skip
         stats = await run_worker(redis_url, shared, engine, rollout)
@@ -190,14 +190,14 @@ async def test_held_out_evaluation_scores_openenv_episodes_with_the_environment_
         r"\n<\|im_start\|>user\n(?:higher|lower|no digit)<\|im_end\|>\n<\|im_start\|>assistant\n"
     )
     config = EvalConfig(every_versions=2, heldout_prompts=4, max_new_tokens=160, concurrency=4, poll_s=0.05)
-    task_config = TaskConfig(
+    task_section = task_config(
         name="tests.openenv_guess:OneTokenTurns",
         env_url=env_url,
         heldout_size=4,
         env_observation_field="message",
     )
     with serving(model_dir) as srv:
-        _, _, rollout = configs(model_dir, [srv.url], task=task_config)
+        _, _, rollout = configs(model_dir, [srv.url], task=task_section)
         tokenizer = load_tokenizer(model_dir)
         task = build_task(rollout.task, tokenizer)
         assert isinstance(task, OneTokenTurns)

@@ -30,7 +30,7 @@ from common.config import SharedConfig
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.engine.server import ServerThread
 from rollout_fleet.model import init_tiny_model
-from rollout_fleet.tasks.config import TaskConfig
+from rollout_fleet.tasks.config import task_config
 from tests.test_rollout_worker import admission_counts, configs, read_drops, read_records, run_worker, serving
 
 pytestmark = pytest.mark.timeout(150)
@@ -94,7 +94,7 @@ async def test_prompts_of_a_killed_worker_are_produced_once_by_another(
             [srv.url],
             group_size=2,
             max_new_tokens=32,
-            task=TaskConfig(name="arithmetic", train_size=PROMPTS),
+            task=task_config(name="arithmetic", train_size=PROMPTS),
             lease_ttl_s=2.0,
             worker_id="second",
         )
@@ -136,7 +136,7 @@ async def test_sigterm_hands_unfinished_prompts_back_and_exits_0(redis_url: str,
             max_epochs=0,  # forever: only the signal stops it
             drain_timeout_s=0.0,  # hand everything in flight back at once
             max_concurrent_groups=3,
-            task=TaskConfig(name="arithmetic", train_size=PROMPTS),
+            task=task_config(name="arithmetic", train_size=PROMPTS),
         )
         proc = spawn_worker(tmp_path, redis_url, shared, rollout, worker_id="termed")
         client = connect(redis_url, BROKER)

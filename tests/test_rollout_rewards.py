@@ -29,7 +29,7 @@ async def test_a_hanging_and_a_raising_verifier_become_reward_statuses(
     redis_url: str, tmp_path: Path
 ) -> None:
     from rollout_fleet.model import init_tiny_model
-    from rollout_fleet.tasks.config import RewardConfig, TaskConfig
+    from rollout_fleet.tasks.config import RewardConfig, task_config
     from tests.test_rollout_worker import configs, read_records, run_worker, serving
 
     model_dir = init_tiny_model(tmp_path / "tiny")
@@ -38,7 +38,7 @@ async def test_a_hanging_and_a_raising_verifier_become_reward_statuses(
             model_dir,
             [srv.url],
             group_size=2,
-            task=TaskConfig(name="arithmetic", train_size=4),
+            task=task_config(name="arithmetic", train_size=4),
             reward=RewardConfig(function="tests.test_rollout_rewards:flaky", workers=2, timeout_s=1.0),
         )
         stats = await run_worker(redis_url, shared, engine, rollout)

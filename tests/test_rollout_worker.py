@@ -33,7 +33,7 @@ from rollout_fleet.engine.scheduler import StepRecord
 from rollout_fleet.engine.server import ServerSettings, ServerThread
 from rollout_fleet.main import open_worker
 from rollout_fleet.model import init_tiny_model
-from rollout_fleet.tasks.config import RewardConfig, TaskConfig
+from rollout_fleet.tasks.config import RewardConfig, task_config
 from rollout_fleet.worker import RequestsRejected, WorkerStats
 
 torch.set_num_threads(1)
@@ -65,7 +65,7 @@ def configs(
     model_dir: Path, urls: list[str], run_id: str = "run", eta: int = 100, **rollout: Any
 ) -> tuple[SharedConfig, EngineConfig, RolloutConfig]:
     shared = SharedConfig(run_id=run_id, eta=eta, model_path=model_dir, http_timeout_s=10.0)
-    task = rollout.pop("task", TaskConfig(name="arithmetic", seed=0, train_size=6))
+    task = rollout.pop("task", task_config(name="arithmetic", seed=0, train_size=6))
     options = {
         "group_size": 3,
         "max_new_tokens": 16,
@@ -236,7 +236,7 @@ async def test_resubmission_after_an_abort_mode_pause_records_both_versions(
             [srv.url],
             group_size=2,
             max_new_tokens=40,
-            task=TaskConfig(name="arithmetic", train_size=2),
+            task=task_config(name="arithmetic", train_size=2),
             mask_resubmitted_prefix=mask_prefix,
         )
         # Hold the scheduler at the 6th decode step: every running sample has partial output by then.
@@ -280,7 +280,7 @@ async def test_admission_with_eta_0_starts_one_step_of_groups_per_version(
     redis_url: str, model_dir: Path, two_engines: list[ServerThread]
 ) -> None:
     shared, engine, rollout = configs(
-        model_dir, [srv.url for srv in two_engines], eta=0, task=TaskConfig(name="arithmetic", train_size=20)
+        model_dir, [srv.url for srv in two_engines], eta=0, task=task_config(name="arithmetic", train_size=20)
     )
     stop = asyncio.Event()
     worker = asyncio.create_task(run_worker(redis_url, shared, engine, rollout, groups_per_step=2, stop=stop))
@@ -326,7 +326,7 @@ async def test_a_worker_whose_requests_are_all_rejected_stops_and_hands_the_prom
     the engine's message, and every later group goes back to the dispatcher instead of the dropped stream: a
     worker with the request fixed then produces all of them."""
     shared, engine, rollout = configs(
-        model_dir, [], task=TaskConfig(name="arithmetic", seed=0, train_size=12), max_rejected_in_a_row=4
+        model_dir, [], task=task_config(name="arithmetic", seed=0, train_size=12), max_rejected_in_a_row=4
     )
     with serving(model_dir, max_context_len=16) as short:  # prompts of 4-18 tokens + 16 new never fit
         bad = rollout.model_copy(update={"engine_urls": [short.url]})

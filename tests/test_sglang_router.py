@@ -187,7 +187,7 @@ async def test_a_worker_resubmits_samples_aborted_by_a_pause_through_the_router(
     """An abort-mode pause of both engines (what a weight update does) while a worker generates through the
     router, then a new version label: the worker resubmits each partial sample (prompt + tokens so far) through
     the router, and the records carry the old version's prefix then the new version's tokens."""
-    from rollout_fleet.tasks.config import TaskConfig
+    from rollout_fleet.tasks.config import task_config
 
     engines, url = fleet
     shared, engine, rollout = configs(
@@ -198,7 +198,7 @@ async def test_a_worker_resubmits_samples_aborted_by_a_pause_through_the_router(
         sglang_router_url=url,
         group_size=4,
         max_new_tokens=200,
-        task=TaskConfig(name="arithmetic", seed=0, train_size=4),
+        task=task_config(name="arithmetic", seed=0, train_size=4),
     )
     old = int((await model_info_of(engines[0].url))["weight_version"])
     worker = asyncio.create_task(run_worker(redis_url, shared, engine, rollout))

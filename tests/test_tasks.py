@@ -17,7 +17,7 @@ from rollout_fleet.datasets import ChatFormatter, DatasetError, PromptDataset, r
 from rollout_fleet.model import build_tokenizer
 from rollout_fleet.tasks import TaskError, available_tasks, get_task
 from rollout_fleet.tasks.arithmetic import DIGIT_COUNTS, ArithmeticTask, Problem, score_completion, scratchpad
-from rollout_fleet.tasks.config import TaskConfig, build_task
+from rollout_fleet.tasks.config import build_task, task_config
 from rollout_fleet.tasks.countdown import CountdownTask, check_answer, evaluate, extract_expression
 from rollout_fleet.tasks.gsm8k import answers_match, extract_answer, gold_from_solution, parse_number
 
@@ -146,7 +146,9 @@ def test_registry_builds_tasks_by_name_and_rejects_bad_options() -> None:
         get_task("nope")
     with pytest.raises(TaskError, match=r"does not take option\(s\) \['dataset'\]"):
         get_task("arithmetic", dataset="x.jsonl")
-    with pytest.raises(TaskError, match="seed must be an int"):
+    with pytest.raises(
+        TaskError, match=r"(?s)task arithmetic: .*seed = -1: Input should be greater than or equal to 0"
+    ):
         get_task("arithmetic", seed=-1)
     custom = get_task("rollout_fleet.tasks.arithmetic:ArithmeticTask", heldout_size=5)
     assert custom.num_prompts("test") == 5
@@ -155,13 +157,13 @@ def test_registry_builds_tasks_by_name_and_rejects_bad_options() -> None:
 
 
 def test_task_config_builds_the_task_and_names_bad_options(tmp_path: Path) -> None:
-    task = build_task(TaskConfig(name="arithmetic", seed=2, heldout_size=10), tokenizer=build_tokenizer())
+    task = build_task(task_config(name="arithmetic", seed=2, heldout_size=10), tokenizer=build_tokenizer())
     assert (task.seed, task.num_prompts("test")) == (2, 10)
-    with pytest.raises(TaskError, match="prompt_field"):
-        build_task(TaskConfig(name="countdown", prompt_field="q"))
+    with pytest.raises(TaskError, match="prompt_field: not a field of task countdown"):
+        task_config(name="countdown", prompt_field="q")
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"question": "hi", "answer": "#### 3"}) + "\n")
-    gsm = build_task(TaskConfig(name="gsm8k", dataset=str(path), chat_template="always"), build_tokenizer())
+    gsm = build_task(task_config(name="gsm8k", dataset=str(path), chat_template="always"), build_tokenizer())
     assert gsm.make_prompt(0).text.startswith("<|im_start|>user\nhi\n")
 
 

@@ -197,7 +197,7 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
     assert proc.returncode == 0, out
 
     summary = json.loads((run_dir / "summary.json").read_text())
-    for key in ("eval_reward_before", "eval_reward_after", "steps", "samples_trained", "samples_dropped",
+    for key in ("eval_greedy_accuracy_before", "eval_greedy_accuracy_after", "steps", "samples_trained", "samples_dropped",
                 "wall_seconds"):  # fmt: skip
         assert summary[key] is not None, key
     # versions can run ahead of steps: a learner that crashed (and was restarted) resumes under a fresh version
@@ -219,10 +219,10 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
     assert summary["training_started_at"] < summary["first_request_at"] < summary["training_started_at"] + 600
     # Learning is real. MIN_FINAL_GAIN is sized from the final gain's distribution measured under a suite-like
     # load (see its definition); a learner that cannot learn fails it every time.
-    final_gain = summary["eval_reward_after"] - summary["eval_reward_before"]
+    final_gain = summary["eval_greedy_accuracy_after"] - summary["eval_greedy_accuracy_before"]
     assert final_gain >= MIN_FINAL_GAIN, (
-        f"held-out greedy {summary['eval_reward_before']} -> best {summary['eval_best_greedy']} "
-        f"(version {summary['eval_best_version']}), final {summary['eval_reward_after']}"
+        f"held-out greedy {summary['eval_greedy_accuracy_before']} -> best {summary['eval_best_greedy']} "
+        f"(version {summary['eval_best_version']}), final {summary['eval_greedy_accuracy_after']}"
     )
     for role in ROLES:
         assert (run_dir / "logs" / f"{role}.log").is_file(), role

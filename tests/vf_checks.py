@@ -189,7 +189,7 @@ async def heldout_evaluation(engine_url: str, model_dir: str) -> None:
         reward_pool,
     )
     from rollout_fleet.model import load_tokenizer
-    from rollout_fleet.tasks.config import TaskConfig, build_task
+    from rollout_fleet.tasks.config import build_task, task_config
     from tests.guess_game import replay
     from tests.test_rollout_worker import configs
 
@@ -197,10 +197,10 @@ async def heldout_evaluation(engine_url: str, model_dir: str) -> None:
         r"\n<\|im_start\|>user\n(?:higher|lower|no digit)<\|im_end\|>\n<\|im_start\|>assistant\n"
     )
     config = EvalConfig(every_versions=2, heldout_prompts=4, max_new_tokens=96, concurrency=4, poll_s=0.05)
-    task_config = TaskConfig(
+    task_section = task_config(
         name="tests.vf_worker:OneTokenTurns", verifiers_taskset="guess_digit", train_size=8, heldout_size=4
     )
-    _, _, rollout = configs(Path(model_dir), [engine_url], task=task_config)
+    _, _, rollout = configs(Path(model_dir), [engine_url], task=task_section)
     tokenizer = load_tokenizer(Path(model_dir))
     task = build_task(rollout.task, tokenizer)
     expected = []

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from rollout_fleet.envs.verifiers_env import VerifiersTask
-from rollout_fleet.tasks.config import TaskConfig
+from rollout_fleet.tasks.config import task_config
 from tests.agentic_tasks import TURN_END
 from tests.test_rollout_worker import configs, run_worker
 
@@ -25,7 +25,7 @@ class OneTokenTurns(VerifiersTask):
 
 def main() -> None:
     args = json.loads(sys.argv[1])
-    task = TaskConfig(name="tests.vf_worker:OneTokenTurns", **args["task"])
+    task = task_config(name="tests.vf_worker:OneTokenTurns", **args["task"])
     shared, engine, rollout = configs(
         Path(args["model_dir"]), [args["engine_url"]], task=task, **args["rollout"]
     )

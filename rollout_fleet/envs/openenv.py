@@ -21,12 +21,24 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlparse
+
+from pydantic import Field, field_validator
 
 from rollout_fleet.envs.base import Environment, EnvironmentTask, StepResult
 from rollout_fleet.envs.tools import tool_observation
-from rollout_fleet.tasks.base import TEST, TRAIN, Prompt, RewardResult, TaskError, strip_special
+from rollout_fleet.tasks.base import (
+    TEST,
+    TRAIN,
+    Prompt,
+    RewardResult,
+    Seed,
+    Size,
+    TaskError,
+    TaskOptions,
+    strip_special,
+)
 
 INSTALL_HINT = "the openenv task needs openenv-core: pip install 'streamrl[openenv]'"
 
@@ -127,48 +139,57 @@ class OpenEnvEnvironment(Environment):
             await client.disconnect()
 
 
+class OpenEnvConfig(TaskOptions):
+    """openenv: episodes against an OpenEnv environment server (the openenv extra)."""
+
+    name: Literal["openenv"] = Field("openenv", description="The task.")
+    env_url: str = Field(
+        description="URL of the OpenEnv environment server (http://host:port); checked at start."
+    )
+    seed: Seed = Field(0, description="Seed the reset seeds of the prompts derive from.")
+    train_size: Size = Field(1000, description="Train prompts (environment resets) per epoch.")
+    heldout_size: Size = Field(100, description="Held-out prompts (environment resets).")
+    env_action_field: str = Field(
+        "message", min_length=1, description="The action field that receives the model's turn text."
+    )
+    env_observation_field: str | None = Field(
+        None, description="The observation field shown to the model (default: the whole observation as JSON)."
+    )
+    env_observation_role: str = Field(
+        "user", description="Chat role of the observation messages after the first."
+    )
+    env_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds to connect and for each reset / step answer."
+    )
+    system_prompt: str | None = Field(None, description="System message before the first observation.")
+
+    @field_validator("env_url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        return check_url(url)
+
+
 class OpenEnvTask(EnvironmentTask):
     """Episodes against an OpenEnv server at ``env_url``; prompt i resets it with a seed derived from
     (seed, split, i), so prompts are reproducible and the train and held-out seeds differ."""
 
     name = "openenv"
     version = "1"
+    Config = OpenEnvConfig
 
-    def __init__(
-        self,
-        env_url: str | None = None,
-        seed: int = 0,
-        train_size: int = 1000,
-        heldout_size: int = 100,
-        env_action_field: str = "message",
-        env_observation_field: str | None = None,
-        env_observation_role: str = "user",
-        env_timeout_s: float = 30.0,
-        system_prompt: str | None = None,
-        tokenizer: Any = None,
-    ) -> None:
-        if env_url is None:
-            raise TaskError(
-                "task openenv: task.env_url is required (the OpenEnv server, e.g. http://host:8000)"
-            )
-        self.url = check_url(env_url)
-        for option, value in (("seed", seed), ("train_size", train_size), ("heldout_size", heldout_size)):
-            if (
-                not isinstance(value, int)
-                or isinstance(value, bool)
-                or value < (0 if option == "seed" else 1)
-            ):
-                raise TaskError(f"task openenv: {option} must be a non-negative int, got {value!r}")
-        if not isinstance(env_action_field, str) or not env_action_field:
-            raise TaskError(f"task openenv: env_action_field must be a field name, got {env_action_field!r}")
-        if not isinstance(env_timeout_s, int | float) or env_timeout_s <= 0:
-            raise TaskError(f"task openenv: env_timeout_s must be > 0, got {env_timeout_s!r}")
-        self.seed, self.train_size, self.heldout_size = seed, train_size, heldout_size
-        self.action_field = env_action_field
-        self.observation_field = env_observation_field
-        self.observation_role = env_observation_role
-        self.timeout_s = float(env_timeout_s)
-        self.system_prompt = system_prompt
+    def __init__(self, config: OpenEnvConfig | None = None, /, tokenizer: Any = None, **options: Any) -> None:
+        c = self.configure(config, options)
+        self.url, self.seed, self.train_size, self.heldout_size = (
+            c.env_url,
+            c.seed,
+            c.train_size,
+            c.heldout_size,
+        )
+        self.action_field = c.env_action_field
+        self.observation_field = c.env_observation_field
+        self.observation_role = c.env_observation_role
+        self.timeout_s = c.env_timeout_s
+        self.system_prompt = c.system_prompt
         self.tokenizer = tokenizer
 
     def num_prompts(self, split: str = TRAIN) -> int:

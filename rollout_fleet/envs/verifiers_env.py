@@ -25,11 +25,22 @@ verifiers is imported lazily, so this module (and the reward processes that impo
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from rollout_fleet.envs.base import Environment, EnvironmentTask, StepResult
 from rollout_fleet.envs.tools import chat_observation
-from rollout_fleet.tasks.base import TEST, TRAIN, Prompt, RewardResult, TaskError, strip_special
+from rollout_fleet.tasks.base import (
+    TEST,
+    TRAIN,
+    Prompt,
+    RewardResult,
+    Size,
+    TaskError,
+    TaskOptions,
+    strip_special,
+)
 
 INSTALL_HINT = "the verifiers task needs verifiers: pip install 'streamrl[verifiers]'"
 
@@ -135,20 +146,27 @@ class VerifiersEnvironment(Environment):
             await self.runner.stop(channel)
 
 
-def _check_options(taskset: Any, config: Any, train_size: Any, heldout_size: Any, timeout_s: Any) -> None:
-    """TaskError naming the first bad option (the config is checked when the task is built)."""
-    if not isinstance(taskset, str) or not taskset:
-        raise TaskError(
-            "task verifiers: task.verifiers_taskset is required (a verifiers taskset id: an installed "
-            "package or a module path)"
-        )
-    if config is not None and not isinstance(config, dict):
-        raise TaskError(f"task verifiers: verifiers_config must be a table, got {config!r}")
-    for option, value in (("train_size", train_size), ("heldout_size", heldout_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise TaskError(f"task verifiers: {option} must be an int >= 1, got {value!r}")
-    if not isinstance(timeout_s, int | float) or timeout_s <= 0:
-        raise TaskError(f"task verifiers: env_timeout_s must be > 0, got {timeout_s!r}")
+class VerifiersConfig(TaskOptions):
+    """verifiers: episodes of a verifiers environment (the verifiers extra)."""
+
+    name: Literal["verifiers"] = Field("verifiers", description="The task.")
+    verifiers_taskset: str = Field(
+        min_length=1, description="The taskset id (an installed package or a module path)."
+    )
+    verifiers_env: str | None = Field(
+        None, description="The Env id to pair with the taskset (default: its own)."
+    )
+    verifiers_config: dict[str, Any] | None = Field(
+        None,
+        description="The rest of the env config (verifiers' [env] block: taskset options, agents, harness, runtime).",
+    )
+    train_size: Size = Field(100, description="Train prompts: tasks 0 .. train_size - 1 of the taskset.")
+    heldout_size: Size = Field(
+        20, description="Held-out prompts: the next heldout_size tasks of the taskset."
+    )
+    env_timeout_s: float = Field(
+        60.0, gt=0, description="Seconds to wait for each model call or the rollout's end."
+    )
 
 
 class VerifiersTask(EnvironmentTask):
@@ -157,22 +175,16 @@ class VerifiersTask(EnvironmentTask):
 
     name = "verifiers"
     version = "1"
+    Config = VerifiersConfig
 
     def __init__(
-        self,
-        verifiers_taskset: str | None = None,
-        verifiers_env: str | None = None,
-        verifiers_config: dict[str, Any] | None = None,
-        train_size: int = 100,
-        heldout_size: int = 20,
-        env_timeout_s: float = 60.0,
-        tokenizer: Any = None,
+        self, config: VerifiersConfig | None = None, /, tokenizer: Any = None, **options: Any
     ) -> None:
-        _check_options(verifiers_taskset, verifiers_config, train_size, heldout_size, env_timeout_s)
-        self.taskset_id, self.env_id = verifiers_taskset, verifiers_env
-        self.env_config = dict(verifiers_config or {})
-        self.train_size, self.heldout_size = train_size, heldout_size
-        self.timeout_s = float(env_timeout_s)
+        c = self.configure(config, options)
+        self.taskset_id, self.env_id = c.verifiers_taskset, c.verifiers_env
+        self.env_config = dict(c.verifiers_config or {})
+        self.train_size, self.heldout_size = c.train_size, c.heldout_size
+        self.timeout_s = c.env_timeout_s
         self.tokenizer = tokenizer
         self._runner: Any = None
         self._tasks: list[Any] | None = None

@@ -7,7 +7,9 @@
 Built in: ``arithmetic`` (the tiny model's task), ``long_multiplication`` (its long-output task: scratchpads of
 hundreds to ~16,000 tokens), ``gsm8k``, ``countdown``, ``dataset`` (prompt and answer fields, exact match) and
 ``tool_arithmetic`` (multi-turn: multiplication with a calculator tool; see rollout_fleet.envs).
-A custom task is a class or factory given by import path, ``"package.module:Name"``.
+A custom task is a class or factory given by import path, ``"package.module:Name"``. Each built-in task declares
+its options as a pydantic config class (``Task.Config``, a ``TaskOptions``), and ``rollout_fleet.tasks.config``
+makes the ``rollout.task`` section a union of them selected by ``name``.
 Importing this package imports neither torch nor transformers (reward workers import it).
 """
 
@@ -27,6 +29,7 @@ from rollout_fleet.tasks.base import (
     RewardResult,
     Task,
     TaskError,
+    TaskOptions,
 )
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "RewardResult",
     "Task",
     "TaskError",
+    "TaskOptions",
     "accepted_options",
     "available_tasks",
     "get_task",
@@ -96,7 +100,8 @@ def task_factory(name: str) -> Callable[..., Task]:
 
 
 def get_task(name: str, **options: Any) -> Task:
-    """Build a task by name; an option the task does not take is an error that lists the ones it does."""
+    """Build a task by name; an option the task does not take is an error that lists the ones it does (a task
+    with a ``Config`` checks the values too)."""
     factory = task_factory(name)
     accepted = accepted_options(factory)
     if accepted is not None:
@@ -110,8 +115,13 @@ def get_task(name: str, **options: Any) -> Task:
 
 
 def accepted_options(factory: Callable[..., Any]) -> set[str] | None:
-    """Keyword names the factory takes, or None when it takes **kwargs."""
+    """Keyword names the factory takes (a task class with a ``Config``: its fields, plus ``tokenizer`` when it
+    takes one), or None when it takes any **kwargs."""
     params = inspect.signature(factory).parameters.values()
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    config = getattr(factory, "Config", None)
+    if isinstance(config, type) and issubclass(config, TaskOptions):
+        return (set(config.model_fields) - {"name"}) | named
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
-    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return named

@@ -15,15 +15,18 @@ import hashlib
 import random
 import re
 from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import Field
 
 from rollout_fleet.tasks.base import (
     TEST,
     TRAIN,
+    GeneratedTaskOptions,
     Prompt,
     RewardResult,
     Task,
     TaskError,
-    check_format_weight,
     strip_special,
     weighted_reward,
 )
@@ -87,6 +90,12 @@ def score_completion(answer: str, completion: str, format_weight: float = 0.0) -
     return weighted_reward(correct, fmt, format_weight)
 
 
+class ArithmeticConfig(GeneratedTaskOptions):
+    """arithmetic: addition worked digit by digit on a scratchpad (the tiny model's task)."""
+
+    name: Literal["arithmetic"] = Field("arithmetic", description="The task.")
+
+
 def in_heldout_space(seed: int, key: tuple[int, int], heldout_fraction: int = HELDOUT_SHARE) -> bool:
     """Whether an (unordered) problem belongs to the held-out part of the problem space for this seed."""
     digest = hashlib.sha256(f"arithmetic:{seed}:{key[0]}+{key[1]}".encode()).digest()
@@ -105,19 +114,12 @@ class ArithmeticTask(Task):
 
     name = "arithmetic"
     version = "1"
+    Config = ArithmeticConfig
 
-    def __init__(
-        self, seed: int = 0, train_size: int = 100_000, heldout_size: int = 200, format_weight: float = 0.0
-    ) -> None:
-        for option, value, low in (
-            ("seed", seed, 0),
-            ("train_size", train_size, 1),
-            ("heldout_size", heldout_size, 1),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise TaskError(f"task arithmetic: {option} must be an int >= {low}, got {value!r}")
-        self.seed, self.train_size, self.heldout_size = seed, train_size, heldout_size
-        self.format_weight = check_format_weight(self.name, format_weight)
+    def __init__(self, config: ArithmeticConfig | None = None, /, **options: Any) -> None:
+        c = self.configure(config, options)
+        self.seed, self.train_size, self.heldout_size = c.seed, c.train_size, c.heldout_size
+        self.format_weight = c.format_weight
 
     def num_prompts(self, split: str = TRAIN) -> int:
         self._check_request(0, split)

@@ -1,112 +1,101 @@
-"""The ``task`` config section: which task the rollout workers run and with which options."""
+"""The ``task`` config section: which task the rollout workers run and with which options.
+
+Each task declares its own fields (its ``Config``, next to the task); ``rollout.task.name`` picks the class, so a
+field of another task is an error naming the field and the task, and ``--help`` lists each task's fields under
+its name. A name that is not built in (``package.module:Class``) takes any options and its class checks them.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator
 
-from common.configlib import Section
-from rollout_fleet.tasks import Task, accepted_options, get_task, task_factory
+from common.configlib import Section, format_validation_error
+from rollout_fleet.envs.openenv import OpenEnvConfig
+from rollout_fleet.envs.verifiers_env import VerifiersConfig
+from rollout_fleet.tasks import (
+    Task,
+    TaskError,
+    TaskOptions,
+    accepted_options,
+    available_tasks,
+    get_task,
+    task_factory,
+)
+from rollout_fleet.tasks.arithmetic import ArithmeticConfig
+from rollout_fleet.tasks.countdown import CountdownConfig
+from rollout_fleet.tasks.dataset import DatasetConfig
+from rollout_fleet.tasks.gsm8k import GSM8KConfig
+from rollout_fleet.tasks.long_multiplication import LongMultiplicationConfig
+from rollout_fleet.tasks.tool_arithmetic import ToolArithmeticConfig
 
 
-class TaskConfig(Section):
-    """The task: prompts plus verifier. Options left unset (null) take the task's own default."""
+class CustomTaskConfig(TaskOptions):
+    """A task class given by import path (or register_task): any options, checked by the class when built."""
 
-    name: str = Field(
-        "arithmetic",
-        description="Task: arithmetic, long_multiplication, gsm8k, countdown, dataset, tool_arithmetic (multi-turn, "
-        "a calculator tool), openenv (an OpenEnv server, task.env_url), verifiers (a verifiers environment, "
-        "task.verifiers_taskset), or package.module:Class.",
-    )
-    seed: int | None = Field(
-        None, ge=0, description="Seed of generated prompts (arithmetic, long_multiplication, countdown)."
-    )
-    train_size: int | None = Field(
-        None,
-        ge=1,
-        description="Generated train prompts per epoch (arithmetic, long_multiplication, countdown).",
-    )
-    heldout_size: int | None = Field(
-        None, ge=1, description="Generated held-out prompts (arithmetic, long_multiplication, countdown)."
-    )
-    format_weight: float | None = Field(
-        None, ge=0, description="reward = correct + format_weight * format (default 0)."
-    )
-    step_weight: float | None = Field(
-        None,
-        ge=0,
-        description="long_multiplication: reward adds step_weight * the fraction of right steps (0.5).",
-    )
-    min_digits: int | None = Field(
-        None, ge=1, description="long_multiplication: fewest digits of each factor (default 1)."
-    )
-    max_digits: int | None = Field(
-        None,
-        ge=1,
-        description="long_multiplication: most digits of each factor (default 27: outputs <= 16k).",
-    )
-    dataset: str | None = Field(
-        None, description="Train prompts: a .jsonl/.json/.parquet/.arrow file or save_to_disk folder."
-    )
-    dataset_split: str | None = Field(
-        None, description="Split of a save_to_disk DatasetDict folder for train prompts."
-    )
-    test_dataset: str | None = Field(None, description="Held-out prompts file or folder (dataset tasks).")
-    test_split: str | None = Field(
-        None, description="Split of a save_to_disk DatasetDict folder for held-out prompts."
-    )
-    prompt_field: str | None = Field(
-        None, description="Field (dotted path allowed) holding the prompt text or messages."
-    )
-    answer_field: str | None = Field(
-        None, description="Field (dotted path allowed) holding the reference answer."
-    )
-    chat_template: Literal["auto", "always", "never"] | None = Field(
-        None, description="auto: template message lists only; always: also plain strings; never: raw text."
-    )
-    system_prompt: str | None = Field(
-        None, description="System message added when a plain prompt is templated."
-    )
-    instruction: str | None = Field(None, description="Text appended on a new line to every dataset prompt.")
-    env_url: str | None = Field(
-        None,
-        description="openenv: URL of the OpenEnv environment server (http://host:port); checked at start.",
-    )
-    env_action_field: str | None = Field(
-        None, description="openenv: the action field that receives the model's turn text (default message)."
-    )
-    env_observation_field: str | None = Field(
-        None,
-        description="openenv: the observation field shown to the model (default: the whole observation as JSON).",
-    )
-    env_observation_role: str | None = Field(
-        None, description="openenv: chat role of the observation messages after the first (default user)."
-    )
-    env_timeout_s: float | None = Field(
-        None,
-        gt=0,
-        description="openenv: seconds to connect and for each reset / step answer (default 30); verifiers: "
-        "seconds to wait for each model call or the rollout's end (default 60).",
-    )
-    verifiers_taskset: str | None = Field(
-        None, description="verifiers: the taskset id (an installed package or a module path)."
-    )
-    verifiers_env: str | None = Field(
-        None, description="verifiers: the Env id to pair with the taskset (default: the taskset's own)."
-    )
-    verifiers_config: dict[str, Any] | None = Field(
-        None,
-        description="verifiers: the rest of the env config (verifiers' [env] block: taskset options, agents, "
-        "harness, runtime).",
-    )
-    use_all: bool | None = Field(
-        None, description="Countdown: every number must be used (default: at most once)."
-    )
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    name: str = Field(description="package.module:Class")
 
-    def options(self) -> dict[str, Any]:
-        """The options that are set, as keyword arguments of the task."""
-        return {k: v for k, v in self.model_dump().items() if k != "name" and v is not None}
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        if ":" not in name and name not in available_tasks():
+            raise ValueError(
+                f"unknown task {name!r}; built-in tasks are {sorted(BUILT_IN)}, or give 'package.module:Class'"
+            )
+        return name
+
+
+BUILT_IN: dict[str, type[TaskOptions]] = {
+    c.model_fields["name"].default: c
+    for c in (
+        ArithmeticConfig,
+        LongMultiplicationConfig,
+        GSM8KConfig,
+        CountdownConfig,
+        DatasetConfig,
+        ToolArithmeticConfig,
+        OpenEnvConfig,
+        VerifiersConfig,
+    )
+}
+CUSTOM = "custom"  # the variant of every name that is not a built-in task (package.module:Class)
+DEFAULT_TASK = "arithmetic"
+
+
+def _variant(value: Any) -> str:
+    """Which config class validates a ``task`` section: the built-in task's, else the custom one."""
+    name = (
+        value.get("name", DEFAULT_TASK) if isinstance(value, dict) else getattr(value, "name", DEFAULT_TASK)
+    )
+    return name if name in BUILT_IN else CUSTOM
+
+
+TaskConfig = Annotated[
+    Annotated[ArithmeticConfig, Tag("arithmetic")]
+    | Annotated[LongMultiplicationConfig, Tag("long_multiplication")]
+    | Annotated[GSM8KConfig, Tag("gsm8k")]
+    | Annotated[CountdownConfig, Tag("countdown")]
+    | Annotated[DatasetConfig, Tag("dataset")]
+    | Annotated[ToolArithmeticConfig, Tag("tool_arithmetic")]
+    | Annotated[OpenEnvConfig, Tag("openenv")]
+    | Annotated[VerifiersConfig, Tag("verifiers")]
+    | Annotated[CustomTaskConfig, Tag(CUSTOM)],
+    Discriminator(_variant),
+]
+"""The ``rollout.task`` section: ``name`` selects the task's own config class (built-in or custom)."""
+
+_ADAPTER: TypeAdapter[TaskOptions] = TypeAdapter(TaskConfig)
+
+
+def task_config(name: str = DEFAULT_TASK, **options: Any) -> TaskOptions:
+    """The task section for ``name`` with ``options`` (what ``--rollout.task.*`` would give); a TaskError
+    naming each bad field otherwise."""
+    try:
+        return _ADAPTER.validate_python({"name": name, **options})
+    except ValidationError as exc:
+        raise TaskError(f"task {name}: {format_validation_error(exc)}") from None
 
 
 class RewardConfig(Section):
@@ -134,7 +123,7 @@ class RewardConfig(Section):
     )
 
 
-def build_task(config: TaskConfig, tokenizer: Any = None) -> Task:
+def build_task(config: TaskOptions, tokenizer: Any = None) -> Task:
     """The configured task; the tokenizer goes to tasks that take one (for chat templates)."""
     options = config.options()
     accepted = accepted_options(task_factory(config.name))

@@ -18,17 +18,22 @@ import re
 from collections import Counter
 from fractions import Fraction
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
 
 from rollout_fleet.datasets import ChatFormatter, DatasetError, get_field, read_rows
 from rollout_fleet.tasks.base import (
+    CHAT_TEMPLATE_DOC,
     TEST,
     TRAIN,
+    ChatTemplate,
+    FileTaskOptions,
+    GeneratedTaskOptions,
     Prompt,
     RewardResult,
     Task,
     TaskError,
-    check_format_weight,
     strip_special,
     weighted_reward,
 )
@@ -204,48 +209,41 @@ def _generate(rng: random.Random, max_number: int, max_target: int) -> tuple[lis
     return nums, int(target)
 
 
+class CountdownConfig(GeneratedTaskOptions, FileTaskOptions):
+    """countdown: reach a target with the given numbers and + - * /; generated, or read from dataset files."""
+
+    name: Literal["countdown"] = Field("countdown", description="The task.")
+    max_number: int = Field(99, strict=True, ge=1, description="Generated numbers are in 1..max_number.")
+    max_target: int = Field(999, strict=True, ge=1, description="Generated targets are in 1..max_target.")
+    use_all: bool = Field(False, description="Every number must be used (default: each at most once).")
+    nums_field: str = Field("nums", description="Dataset field (dotted path allowed) of the list of numbers.")
+    target_field: str = Field("target", description="Dataset field (dotted path allowed) of the target.")
+    chat_template: ChatTemplate = Field("never", description=CHAT_TEMPLATE_DOC)
+
+    @model_validator(mode="after")
+    def _test_file_needs_train_file(self) -> CountdownConfig:
+        if self.test_dataset and not self.dataset:
+            raise ValueError("test_dataset needs dataset (the train prompts) too")
+        return self
+
+
 class CountdownTask(Task):
     """Countdown with 3 or 4 numbers in 1..max_number; targets in 1..max_target, reachable by construction."""
 
     name = "countdown"
     version = "2"  # 2: the adversarial sets' holes closed (rollout_fleet/adversarial.py)
+    Config = CountdownConfig
 
     def __init__(
-        self,
-        seed: int = 0,
-        train_size: int = 100_000,
-        heldout_size: int = 200,
-        max_number: int = 99,
-        max_target: int = 999,
-        use_all: bool = False,
-        format_weight: float = 0.0,
-        dataset: str | None = None,
-        dataset_split: str | None = None,
-        test_dataset: str | None = None,
-        test_split: str | None = None,
-        nums_field: str = "nums",
-        target_field: str = "target",
-        chat_template: str = "never",
-        system_prompt: str | None = None,
-        tokenizer: Any = None,
+        self, config: CountdownConfig | None = None, /, tokenizer: Any = None, **options: Any
     ) -> None:
-        for option, value, low in (
-            ("seed", seed, 0),
-            ("train_size", train_size, 1),
-            ("heldout_size", heldout_size, 1),
-            ("max_number", max_number, 1),
-            ("max_target", max_target, 1),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise TaskError(f"task countdown: {option} must be an int >= {low}, got {value!r}")
-        self.seed, self.train_size, self.heldout_size = seed, train_size, heldout_size
-        self.max_number, self.max_target, self.use_all = max_number, max_target, bool(use_all)
-        self.format_weight = check_format_weight(self.name, format_weight)
-        self.files = {TRAIN: (dataset, dataset_split), TEST: (test_dataset, test_split)}
-        self.fields = (nums_field, target_field)
-        self.formatter = ChatFormatter(chat_template, tokenizer, system_prompt)
-        if test_dataset and not dataset:
-            raise TaskError("task countdown: test_dataset needs dataset (the train prompts) too")
+        c = self.configure(config, options)
+        self.seed, self.train_size, self.heldout_size = c.seed, c.train_size, c.heldout_size
+        self.max_number, self.max_target, self.use_all = c.max_number, c.max_target, c.use_all
+        self.format_weight = c.format_weight
+        self.files = {TRAIN: (c.dataset, c.dataset_split), TEST: (c.test_dataset, c.test_split)}
+        self.fields = (c.nums_field, c.target_field)
+        self.formatter = ChatFormatter(c.chat_template, tokenizer, c.system_prompt)
 
     # -- problems: (nums, target) -------------------------------------------------------------------------
     def _draw(self, split: str, index: int, avoid: frozenset | set) -> tuple[list[int], int]:

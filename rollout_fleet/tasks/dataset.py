@@ -6,20 +6,40 @@ Train rows whose rendered prompt text equals a held-out prompt are left out (and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from rollout_fleet.datasets import ChatFormatter, PromptDataset
 from rollout_fleet.tasks.base import (
+    CHAT_TEMPLATE_DOC,
     TEST,
     TRAIN,
+    ChatTemplate,
+    FileTaskOptions,
     Prompt,
     RewardResult,
     Task,
     TaskError,
-    check_format_weight,
+    Weight,
     strip_special,
     weighted_reward,
 )
+
+
+class DatasetConfig(FileTaskOptions):
+    """dataset: prompt and answer fields of dataset files, scored by exact match."""
+
+    name: Literal["dataset"] = Field("dataset", description="The task.")
+    prompt_field: str = Field(
+        "prompt", description="Field (dotted path allowed) holding the prompt text or messages."
+    )
+    answer_field: str = Field(
+        "answer", description="Field (dotted path allowed) holding the reference answer."
+    )
+    chat_template: ChatTemplate = Field("auto", description=CHAT_TEMPLATE_DOC)
+    instruction: str | None = Field(None, description="Text appended on a new line to every prompt.")
+    format_weight: Weight = Field(0.0, description="reward = correct + format_weight * format.")
 
 
 class DatasetTask(Task):
@@ -31,35 +51,20 @@ class DatasetTask(Task):
 
     name = "dataset"
     version = "1"
-    default_prompt_field = "prompt"
-    default_answer_field = "answer"
-    default_instruction: str | None = None
+    Config = DatasetConfig
 
-    def __init__(
-        self,
-        dataset: str | None = None,
-        dataset_split: str | None = None,
-        test_dataset: str | None = None,
-        test_split: str | None = None,
-        prompt_field: str | None = None,
-        answer_field: str | None = None,
-        chat_template: str = "auto",
-        system_prompt: str | None = None,
-        instruction: str | None = None,
-        format_weight: float = 0.0,
-        tokenizer: Any = None,
-    ) -> None:
-        self.format_weight = check_format_weight(self.name, format_weight)
-        formatter = ChatFormatter(chat_template, tokenizer, system_prompt)
+    def __init__(self, config: DatasetConfig | None = None, /, tokenizer: Any = None, **options: Any) -> None:
+        c = self.configure(config, options)
+        self.format_weight = c.format_weight
         fields = {
-            "prompt_field": prompt_field or self.default_prompt_field,
-            "answer_field": answer_field or self.default_answer_field,
-            "formatter": formatter,
-            "instruction": self.default_instruction if instruction is None else instruction,
+            "prompt_field": c.prompt_field,
+            "answer_field": c.answer_field,
+            "formatter": ChatFormatter(c.chat_template, tokenizer, c.system_prompt),
+            "instruction": c.instruction,
         }
         self._datasets: dict[str, PromptDataset | None] = {
-            TRAIN: PromptDataset(dataset, split=dataset_split, **fields) if dataset else None,
-            TEST: PromptDataset(test_dataset, split=test_split, **fields) if test_dataset else None,
+            TRAIN: PromptDataset(c.dataset, split=c.dataset_split, **fields) if c.dataset else None,
+            TEST: PromptDataset(c.test_dataset, split=c.test_split, **fields) if c.test_dataset else None,
         }
         self._disjoint = False
 

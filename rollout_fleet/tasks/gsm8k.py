@@ -12,9 +12,12 @@ from __future__ import annotations
 import math
 import re
 from fractions import Fraction
+from typing import Literal
+
+from pydantic import Field
 
 from rollout_fleet.tasks.base import RewardResult, strip_special, weighted_reward
-from rollout_fleet.tasks.dataset import DatasetTask
+from rollout_fleet.tasks.dataset import DatasetConfig, DatasetTask
 
 # ASCII digits only: int() and Fraction() also read Unicode digits (fullwidth, Arabic-Indic), a way around a
 # "the answer must be a plain number" rule that rollout_fleet/adversarial.py checks
@@ -103,14 +106,23 @@ def score_completion(gold: str, completion: str, format_weight: float = 0.0) -> 
     return weighted_reward(correct, fmt, format_weight)
 
 
+class GSM8KConfig(DatasetConfig):
+    """gsm8k: GSM8K-shaped data (question / answer with #### x) or any math set with numeric answers."""
+
+    name: Literal["gsm8k"] = Field("gsm8k", description="The task.")  # type: ignore[assignment]
+    prompt_field: str = Field("question", description="Field (dotted path allowed) holding the prompt text.")
+    instruction: str | None = Field(
+        'Think step by step, then give the final answer after "####".',
+        description="Text appended on a new line to every prompt.",
+    )
+
+
 class GSM8KTask(DatasetTask):
     """GSM8K-shaped data (``question`` / ``answer`` with ``#### x``) or any math set with numeric answers."""
 
     name = "gsm8k"
     version = "2"  # 2: the adversarial sets' holes closed (rollout_fleet/adversarial.py)
-    default_prompt_field = "question"
-    default_answer_field = "answer"
-    default_instruction = 'Think step by step, then give the final answer after "####".'
+    Config = GSM8KConfig
 
     def gold_answer(self, raw: str) -> str:
         return gold_from_solution(raw)

@@ -23,14 +23,17 @@ thousands of tokens back in the prompt: the format is meant to stay writable at 
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 import re
 from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
 
 from rollout_fleet.tasks.base import (
     TEST,
     TRAIN,
+    GeneratedTaskOptions,
     Prompt,
     RewardResult,
     Task,
@@ -162,22 +165,27 @@ def in_heldout_space(seed: int, key: tuple[int, int], heldout_fraction: int = HE
     return int.from_bytes(digest[:8], "big") % heldout_fraction == 0
 
 
-def _int_option(option: str, value: object, low: int, high: int | None = None) -> int:
-    if (
-        not isinstance(value, int)
-        or isinstance(value, bool)
-        or value < low
-        or (high is not None and value > high)
-    ):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise TaskError(f"task long_multiplication: {option} must be an int {bound}, got {value!r}")
-    return value
+class LongMultiplicationConfig(GeneratedTaskOptions):
+    """long_multiplication: multiplication on a scratchpad, outputs of hundreds to ~16,000 tokens."""
 
+    name: Literal["long_multiplication"] = Field("long_multiplication", description="The task.")
+    min_digits: int = Field(1, strict=True, ge=1, description="Fewest digits of each factor.")
+    max_digits: int = Field(
+        DEFAULT_MAX_DIGITS,
+        strict=True,
+        ge=1,
+        le=MAX_DIGITS_LIMIT,
+        description=f"Most digits of each factor ({DEFAULT_MAX_DIGITS}: outputs <= 16k tokens).",
+    )
+    step_weight: float = Field(
+        0.5, ge=0, allow_inf_nan=False, description="reward adds step_weight * the fraction of right steps."
+    )
 
-def _weight_option(option: str, value: object) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-        raise TaskError(f"task long_multiplication: {option} must be a finite number >= 0, got {value!r}")
-    return float(value)
+    @model_validator(mode="after")
+    def _digit_range(self) -> LongMultiplicationConfig:
+        if self.min_digits > self.max_digits:
+            raise ValueError(f"min_digits = {self.min_digits} is above max_digits = {self.max_digits}")
+        return self
 
 
 class LongMultiplicationTask(Task):
@@ -193,23 +201,13 @@ class LongMultiplicationTask(Task):
     name = "long_multiplication"
     version = "1"
 
-    def __init__(
-        self,
-        seed: int = 0,
-        train_size: int = 100_000,
-        heldout_size: int = 200,
-        min_digits: int = 1,
-        max_digits: int = DEFAULT_MAX_DIGITS,
-        format_weight: float = 0.0,
-        step_weight: float = 0.5,
-    ) -> None:
-        self.seed = _int_option("seed", seed, 0)
-        self.train_size = _int_option("train_size", train_size, 1)
-        self.heldout_size = _int_option("heldout_size", heldout_size, 1)
-        self.max_digits = _int_option("max_digits", max_digits, 1, MAX_DIGITS_LIMIT)
-        self.min_digits = _int_option("min_digits", min_digits, 1, self.max_digits)
-        self.format_weight = _weight_option("format_weight", format_weight)
-        self.step_weight = _weight_option("step_weight", step_weight)
+    Config = LongMultiplicationConfig
+
+    def __init__(self, config: LongMultiplicationConfig | None = None, /, **options: Any) -> None:
+        c = self.configure(config, options)
+        self.seed, self.train_size, self.heldout_size = c.seed, c.train_size, c.heldout_size
+        self.min_digits, self.max_digits = c.min_digits, c.max_digits
+        self.format_weight, self.step_weight = c.format_weight, c.step_weight
         self.digit_counts = tuple(range(self.min_digits, self.max_digits + 1))
         self.digit_weights = tuple(1 / d for d in self.digit_counts)
 

@@ -18,17 +18,19 @@ from __future__ import annotations
 import hashlib
 import random
 import re
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from rollout_fleet.envs.base import Environment, EnvironmentTask, StepResult
 from rollout_fleet.envs.tools import ToolCallError, parse_tool_call, run_tool, tool_observation
 from rollout_fleet.tasks.base import (
     TEST,
     TRAIN,
+    GeneratedTaskOptions,
     Prompt,
     RewardResult,
     TaskError,
-    check_format_weight,
     strip_special,
 )
 
@@ -39,6 +41,12 @@ NEEDS_TOOL = frozenset({(2, 2), (3, 2)})
 HELDOUT_SHARE = 4
 MAX_ATTEMPTS = 1000
 _ANSWER_RE = re.compile(r"#(\d+)")
+
+
+class ToolArithmeticConfig(GeneratedTaskOptions):
+    """tool_arithmetic: multiplication with a calculator tool (multi-turn)."""
+
+    name: Literal["tool_arithmetic"] = Field("tool_arithmetic", description="The task.")
 
 
 def _heldout(seed: int, a: int, b: int) -> bool:
@@ -85,24 +93,14 @@ class ToolArithmeticTask(EnvironmentTask):
     name = "tool_arithmetic"
     version = "1"
     uses_sandbox = True  # <python> calls run in rollout.sandbox
+    Config = ToolArithmeticConfig
 
     def __init__(
-        self,
-        seed: int = 0,
-        train_size: int = 100_000,
-        heldout_size: int = 200,
-        format_weight: float = 0.0,
-        tokenizer: Any = None,
+        self, config: ToolArithmeticConfig | None = None, /, tokenizer: Any = None, **options: Any
     ) -> None:
-        for option, value, low in (
-            ("seed", seed, 0),
-            ("train_size", train_size, 1),
-            ("heldout_size", heldout_size, 1),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise TaskError(f"task tool_arithmetic: {option} must be an int >= {low}, got {value!r}")
-        self.seed, self.train_size, self.heldout_size = seed, train_size, heldout_size
-        self.format_weight = check_format_weight(self.name, format_weight)
+        c = self.configure(config, options)
+        self.seed, self.train_size, self.heldout_size = c.seed, c.train_size, c.heldout_size
+        self.format_weight = c.format_weight
         self.tokenizer = tokenizer
 
     def num_prompts(self, split: str = TRAIN) -> int:
