@@ -30,6 +30,8 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "pypro
 OWN_PARSER = {"inspect", "export", "compose"}
 NOT_PARSED = {"model", "audit"}
 FIELDS = {name for name, _, _, _ in iter_fields(StreamRLConfig)}
+# a text field takes a placeholder as it is (a required one, like openenv's env_url, must be given to parse)
+TEXT_FIELDS = {name for name, type_name, _, _ in iter_fields(StreamRLConfig) if type_name in ("str", "str | None")}
 # An upper-case word (N, DIR, RUN_DIR, HOST:PORT, FILE.toml, A:B), or one holding `...` or a shell `$`: a
 # placeholder.
 PLACEHOLDER = re.compile(r"^(?:[A-Z][A-Z0-9_]*(?:[.:][A-Za-z0-9_]+)*|.*\.\.\..*|.*\$.*)$")
@@ -140,7 +142,7 @@ def _config_args(args: list[str]) -> list[str]:
         # --help prints; up's --resume RUN_DIR reads that run's config.toml, which a page's example has not got
         if arg in ("-h", "--help") or name == "resume" or name == "config" and PLACEHOLDER.match(value):
             continue
-        if PLACEHOLDER.match(value) and key.startswith("--"):
+        if PLACEHOLDER.match(value) and key.startswith("--") and name not in TEXT_FIELDS:
             if name not in FIELDS:
                 raise ConfigError(f"--{name}: no such field in the config tree")
             continue

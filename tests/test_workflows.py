@@ -27,7 +27,7 @@ from rollout_fleet.model import load_tokenizer
 from rollout_fleet.rewards import RewardPool
 from rollout_fleet.router import Router
 from rollout_fleet.tasks import TRAIN, Prompt
-from rollout_fleet.tasks.config import TaskConfig, build_task
+from rollout_fleet.tasks.config import build_task, task_config
 from rollout_fleet.workflows import WORKFLOWS, build_workflow, workflow_kind
 from rollout_fleet.workflows.abandon import DROP, HAND_BACK, GroupAbandoned
 from rollout_fleet.workflows.base import Scorer, WorkflowContext
@@ -112,7 +112,7 @@ def prompt_of(tokenizer: Any, text: str) -> list[int]:
 
 
 def test_the_task_kind_selects_the_workflow(tokenizer: Any) -> None:
-    arithmetic = build_task(TaskConfig(name="arithmetic", train_size=2), tokenizer)
+    arithmetic = build_task(task_config("arithmetic", train_size=2), tokenizer)
     assert workflow_kind(arithmetic) == "single_turn" and WORKFLOWS["single_turn"] is SingleTurnWorkflow
     assert workflow_kind(EchoTask()) == "episode" and WORKFLOWS["episode"] is EpisodeWorkflow
 
@@ -157,7 +157,7 @@ async def test_the_single_turn_workflow_makes_a_group_of_the_engines_tokens_and_
 async def test_the_episode_workflow_runs_the_environment_turn_by_turn_token_in_token_out(
     model_dir: Path, tokenizer: Any, pool: RewardPool
 ) -> None:
-    task = TaskConfig(name="tests.agentic_tasks:EchoTask", train_size=2)
+    task = task_config("tests.agentic_tasks:EchoTask", train_size=2)
     with serving(model_dir) as srv:
         _, _, rollout = configs(
             model_dir, [srv.url], group_size=2, max_new_tokens=64, max_tokens_per_turn=4, task=task
