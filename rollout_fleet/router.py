@@ -39,7 +39,8 @@ from typing import Any
 import aiohttp
 
 from broker.registry import EngineRegistry, engine_id_for, normalize_url
-from rollout_fleet.client import EngineClient, parse_version
+from common.versioning import answer_version
+from rollout_fleet.client import EngineClient
 
 log = logging.getLogger("streamrl.router")
 
@@ -262,7 +263,7 @@ class Router:
             return await self._probe_proxy(handle)
         try:
             info = await handle.client.model_info()
-            version = parse_version(info.get("weight_version", "default"))
+            version = answer_version(info)
         except Exception as exc:  # noqa: BLE001 - any failure means not routable
             error = f"probe: {type(exc).__name__}: {exc}"
             if handle.healthy:
