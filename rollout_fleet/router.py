@@ -8,9 +8,10 @@
   bound (the worker's: more than eta lineage positions from the published policy, measured as the learner
   measures its tokens, :meth:`common.versioning.Lineage.behind`) is left out until it has caught up, so no
   rollout is generated on weights older than the staleness bound allows (a restarted engine serves its initial
-  weights until the learner brings it back). Its version comes from the probes and from every answer it gives (:meth:`Router.observe`);
-  :meth:`Router.recheck_behind` probes the engines that are behind at once (the worker calls it when a new
-  version is published, so a caught-up engine is back in routing within a round trip).
+  weights until the learner brings it back). Its version comes from the probes and from every answer it gives
+  (:meth:`Router.observe`); :meth:`Router.recheck_behind` probes the engines that are behind at once (the
+  worker calls it when a new version is published, so a caught-up engine is back in routing within a round
+  trip).
 - :meth:`Router.mark_failed`: a request failed in a way that is the engine's fault (connection refused or
   reset, timeout, 5xx). The engine leaves routing at once; its other in-flight requests fail the same way and
   are resubmitted elsewhere by their owners.
