@@ -46,8 +46,11 @@ from broker.config import BrokerConfig
 from broker.consumer import Consumer, Delivery, Rejected
 from broker.outcomes import Outcome
 from broker.record import TrajectoryGroup
+from broker.staleness import staleness_stats
+from broker.version import PolicyVersion
 from common.config import SharedConfig
 from common.discovery import RedisNotFound, resolve_redis_url
+from common.versioning import Lineage
 
 log = logging.getLogger("streamrl.archive")
 
@@ -102,8 +105,10 @@ ARCHIVE_SCHEMA = pa.schema(
         ("outcome_reason", pa.string()),
         ("outcome_step", pa.int64()),  # the learner step that trained or dropped it; null otherwise
         ("learner_version", pa.int64()),  # the policy version it was trained against; null otherwise
-        ("staleness_max", pa.int32()),  # learner_version - min_version when trained
-        ("staleness_mean", pa.float32()),  # learner_version - mean token version when trained
+        # token staleness when trained, in lineage positions as the learner measures it (a magnitude; without
+        # resumes learner_version - min_version and learner_version - mean token version)
+        ("staleness_max", pa.int32()),
+        ("staleness_mean", pa.float32()),
         ("error", pa.string()),  # a rejected entry's decode or validation error
         ("archived_at", pa.float64()),
     ]
@@ -138,26 +143,33 @@ def _named(d: dict[str, float]) -> list[dict[str, Any]]:
     return [{"name": k, "value": float(v)} for k, v in sorted(d.items())]
 
 
-def _outcome_fields(outcome: Outcome | None, versions: np.ndarray) -> dict[str, Any]:
+def _outcome_fields(outcome: Outcome | None, versions: np.ndarray, lineage: Lineage | None) -> dict[str, Any]:
     if outcome is None:
         return {"outcome": "pending", "outcome_reason": "", "outcome_step": None, "learner_version": None,
                 "staleness_max": None, "staleness_mean": None}  # fmt: skip
     trained = outcome.outcome == "trained" and outcome.learner_version >= 0
     lv = outcome.learner_version
+    stats = staleness_stats(lv, [versions], lineage) if trained else None
     return {
         "outcome": outcome.outcome,
         "outcome_reason": outcome.reason,
         "outcome_step": outcome.step if outcome.step >= 0 else None,
         "learner_version": lv if lv >= 0 else None,
-        "staleness_max": int(lv - versions.min()) if trained else None,
-        "staleness_mean": float(lv - versions.mean()) if trained else None,
+        "staleness_max": stats.max if stats is not None else None,
+        "staleness_mean": stats.mean if stats is not None else None,
     }
 
 
 def sample_rows(
-    group: TrajectoryGroup, entry_id: str, outcome: Outcome | None, text: TokenText, now: float
+    group: TrajectoryGroup,
+    entry_id: str,
+    outcome: Outcome | None,
+    text: TokenText,
+    now: float,
+    lineage: Lineage | None = None,
 ) -> list[dict[str, Any]]:
-    """One archive row per sample of ``group`` (``outcome`` None: still pending)."""
+    """One archive row per sample of ``group`` (``outcome`` None: still pending); ``lineage``: the run's
+    (common.versioning), for staleness in positions (None: no resume, positions are versions)."""
     common = {
         "run_id": group.run_id, "group_id": group.group_id, "entry_id": entry_id, "epoch": group.epoch,
         "prompt_index": group.prompt_index, "attempt": group.attempt, "prompt_id": group.prompt_id,
@@ -194,7 +206,7 @@ def sample_rows(
                 "turn_bounds": s.turn_bounds.tolist(),
                 "num_turns": max(len(s.turn_bounds) // 2, 1),
                 "episode": _named(s.episode),
-                **_outcome_fields(outcome, s.versions),
+                **_outcome_fields(outcome, s.versions, lineage),
             }  # fmt: skip
         )
     return rows
@@ -275,6 +287,7 @@ class Archiver:
             client, shared, broker, CONSUMER_NAME, consumer_group=broker.archive_group, dead_letters=False
         )
         self.text = TokenText(shared.model_path)
+        self.policy = PolicyVersion(client, shared, broker)  # the lineage, for staleness in positions
         self.waiting: dict[str, Delivery] = {}  # group id -> delivery read, its outcome not yet final
         self.rows: list[dict[str, Any]] = []  # finished rows not yet in a part
         self.row_entries: list[str] = []  # their entry ids, acknowledged once the part is durable
@@ -338,14 +351,17 @@ class Archiver:
             return
         gids = list(self.waiting)
         docs = await self.client.hmget(self.keys.outcomes, gids)
+        if all(doc is None for doc in docs):
+            return
+        # read after the outcomes: a learner records a resume's lineage before it trains under that version
+        lineage = await self.policy.lineage()
         now = time.time()
         for gid, doc in zip(gids, docs, strict=True):
             if doc is None:
                 continue
             d = self.waiting.pop(gid)
-            self._finish(
-                sample_rows(d.group, d.entry_id, Outcome.from_json(doc), self.text, now), d.entry_id, gid
-            )
+            rows = sample_rows(d.group, d.entry_id, Outcome.from_json(doc), self.text, now, lineage)
+            self._finish(rows, d.entry_id, gid)
 
     def _finish(self, rows: list[dict[str, Any]], entry_id: str, key: str) -> None:
         self.rows.extend(rows)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
+from common.versioning import INITIAL_LABEL
 from weight_sync import protocol
 from weight_sync.engine_routes import read_json, reply, validation_error, weight_routes
 from weight_sync.receiver import (
@@ -83,7 +84,7 @@ class MiniEngine:
             destination=None if args.no_direct else model_destination(self.model),
             device=args.device,
         )
-        self.receiver.weight_version = "0"
+        self.receiver.weight_version = INITIAL_LABEL
         self.paused: str | None = None
         self.calls: dict[str, int] = {}
         self.update_requests = 0

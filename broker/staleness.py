@@ -40,6 +40,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from common.config import SharedConfig
+from common.versioning import Lineage
 
 
 @dataclass(frozen=True)
@@ -286,62 +287,6 @@ class StalenessManager:
         await self.counters.set_consumed(n)
 
 
-@dataclass(frozen=True)
-class ResumePoint:
-    """A resume: ``version`` was published with the weights of lineage position ``position`` (the checkpoint's),
-    and the learner had reached ``rollback`` positions beyond them on the branch it lost."""
-
-    version: int
-    position: int
-    rollback: int = 0
-
-
-@dataclass(frozen=True)
-class Lineage:
-    """Which weights each policy version holds, as a position on the learner's line of optimizer updates.
-
-    Without resumes a version's position is the version itself. A resume publishes a checkpoint's weights under
-    a fresh version (versions are never reused), so the version number jumps while the weights go back:
-    position(v) = p + (v - v_r) for the last resume point (v_r, p) at or below v. A version of the branch the
-    crash lost keeps the position it had on that branch.
-
-    Staleness is measured in positions, ``position(learner) - position(token)``, which is exactly
-    ``learner_version - token_version`` in a run that never resumed. A resume that stops cleanly (its last
-    checkpoint is its last step) loses nothing: the groups waiting in the stream are as stale as they were. A
-    crash rolls the learner back to its last checkpoint; the groups generated before the resume on the branch
-    it lost are valid off-policy data (the engines' log-probs are theirs), so they are kept as long as they
-    are within ``eta`` plus that rollback, in either direction, of the weights being trained; groups generated
-    after the resume are held to ``eta``."""
-
-    points: tuple[ResumePoint, ...] = ()
-
-    def _point(self, version: int) -> ResumePoint:
-        below = [p for p in self.points if p.version <= version]
-        return max(below, key=lambda p: p.version) if below else ResumePoint(0, 0)
-
-    def position(self, version: int) -> int:
-        point = self._point(version)
-        return point.position + (version - point.version)
-
-    def distance(self, learner_version: int, token_version: int) -> int:
-        """Signed staleness: updates from the token's weights to the learner's (negative: the token's branch
-        is ahead of the weights the learner restored)."""
-        return self.position(learner_version) - self.position(token_version)
-
-    def allowance(self, learner_version: int, token_version: int) -> int:
-        """Extra staleness a token is allowed: the rollback of the learner's latest resume, for tokens generated
-        before it."""
-        point = self._point(learner_version)
-        return point.rollback if token_version < point.version else 0
-
-    def resumed(self, version: int, restored: int, published: int | None) -> Lineage:
-        """The lineage after a resume that publishes the weights of checkpoint version ``restored`` as
-        ``version``, the last published version before it being ``published``."""
-        position = self.position(restored)
-        lost = 0 if published is None else max(0, self.position(published) - position)
-        return Lineage((*self.points, ResumePoint(version, position, lost)))
-
-
 def staleness(learner_version: int, token_version: int) -> int:
     """Versions between the policy a token was sampled from and the learner's: ``learner - token``."""
     return learner_version - token_version
@@ -376,9 +321,8 @@ def check_staleness(
         if v > learner_version:
             return StalenessDecision(keep=False, staleness=learner_version - v, reason="future_version")
         d = lineage.distance(learner_version, v)
-        bound = eta + lineage.allowance(learner_version, v)
         worst = max(worst, abs(d))
-        if d > bound or -d > bound:
+        if lineage.behind(learner_version, v, eta):
             return StalenessDecision(keep=False, staleness=d, reason="stale")
     return StalenessDecision(keep=True, staleness=worst)
 

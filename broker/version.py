@@ -6,6 +6,9 @@ reused (a resumed learner publishes its checkpoint's weights under a fresh versi
 negative. Each publication is announced on the control stream (durable, replayable: :meth:`wait_for` and
 :meth:`announcements` read it) and on the pub/sub channel of the same name (for listeners that only care
 about the latest). A publish retried after a lost reply carries the same token and is recognised, not refused.
+
+This module is the Redis side only (the keys, publish, get, wait, subscribe, the stored lineage); the protocol
+itself (labels, lineage, behind-ness, the announce rule) is :mod:`common.versioning`.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ import redis.asyncio as aioredis
 
 from broker.client import BrokerKeys
 from broker.config import BrokerConfig
-from broker.staleness import Lineage, ResumePoint
 from common.config import SharedConfig
+from common.versioning import Lineage, ResumePoint
 
 CONTROL_MAXLEN = 10_000  # the control stream is trimmed approximately; the version key is the truth
 

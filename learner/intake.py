@@ -19,9 +19,10 @@ import torch
 
 from broker.consumer import Consumer, Delivery
 from broker.record import TrajectoryGroup
-from broker.staleness import CounterError, Lineage, StalenessManager, check_staleness
+from broker.staleness import CounterError, StalenessManager, check_staleness
 from common.configlib import ConfigError
 from common.lifecycle import crash_point
+from common.versioning import Lineage, admission_capacity
 from learner.advantages import compute_advantages, zero_signal_groups
 from learner.checkpoint import ALREADY_CONTAINED, LedgerEntry
 from learner.config import LearnerConfig
@@ -161,7 +162,7 @@ class Intake:
         carry, self._carry = self._carry, []
         if self.config.intake_order == "arrival":
             return carry or await self._fetch(wanted)
-        window = max(wanted, self.config.groups_per_step * (self.eta + 1)) - len(carry)
+        window = max(wanted, admission_capacity(self.eta, self.config.groups_per_step)) - len(carry)
         fresh = await self._fetch(window, wait=len(carry) < wanted) if window > 0 else []
         return sorted(carry + fresh, key=lambda d: d.group.min_version())  # stable: ties keep arrival order
 

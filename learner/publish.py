@@ -22,6 +22,7 @@ from torch import nn
 
 from broker.registry import read_registry
 from common.config import SharedConfig
+from common.versioning import may_announce
 from weight_sync.config import WeightSyncConfig
 from weight_sync.sender import WeightSender, sync_weights
 
@@ -150,10 +151,7 @@ class WeightSyncPublisher:
         if result.engines_failed:
             log.error("weight sync v%d: engines failed: %s", version, result.engines_failed)
         pool = {e.url for e in self.sender.healthy}
-        # every engine of the pool has it, and one at least; with no engine known at all there is nobody to wait
-        # for (engines that register later get the current weights when they join)
-        known = bool(self.sender.engines)
-        announce = pool <= set(result.engines_ok) and (bool(result.engines_ok) or not known)
+        announce = may_announce(pool, result.engines_ok, known=bool(self.sender.engines))
         if not announce:
             log.error(
                 "weight sync v%d reached %s of the pool %s: version not announced; the learner retries",

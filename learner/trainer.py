@@ -29,10 +29,11 @@ from broker.config import BrokerConfig
 from broker.consumer import Consumer
 from broker.metrics import MetricsWriter
 from broker.record import TrajectoryGroup
-from broker.staleness import Lineage, RedisCounters, StalenessManager, staleness_stats
+from broker.staleness import RedisCounters, StalenessManager, staleness_stats
 from broker.version import PolicyVersion
 from common.config import SharedConfig
 from common.lifecycle import crash_point
+from common.versioning import Lineage
 from learner.attention import register_packed_attention, resolve_attention_kernel
 from learner.checkpoint import CheckpointManager, CheckpointMeta, LedgerEntry, PendingCheckpoint, export_hf
 from learner.config import LearnerConfig
@@ -359,7 +360,7 @@ class Learner:
 
     def _record_resume(self, restored: int, published: int) -> None:
         """Rank 0: the fresh version holds the checkpoint's weights (``restored``'s); staleness is measured by
-        weights from now on (broker.staleness.Lineage), so the resume itself makes no group stale."""
+        weights from now on (common.versioning.Lineage), so the resume itself makes no group stale."""
         lineage = self._call(self.policy_version.lineage())
         lineage = lineage.resumed(self.version, restored, published)
         self._call(self.policy_version.record_resume(lineage.points[-1]))

@@ -19,16 +19,15 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
+from common.versioning import LabelError, answer_version, decode_label
 from weight_sync import protocol
 
-# SGLang servers that were not given --weight-version label their initial weights "default": the initial policy.
-DEFAULT_VERSION_LABELS = frozenset({"default"})
 FINISH_TYPES = ("stop", "length", "abort")
 
 
@@ -130,24 +129,12 @@ class GenerateResult:
         return self.finish_reason == "abort"
 
 
-def parse_version(label: Any, where: str = "weight_version") -> int:
-    """A weight-version label as an int policy version (engines are labelled ``str(version)``; SGLang's
-    ``"default"`` is the initial policy, 0)."""
-    if isinstance(label, bool):
-        raise InvalidResponse(f"{where} = {label!r}: not a policy version")
-    if isinstance(label, int):
-        value = label
-    elif isinstance(label, str) and label in DEFAULT_VERSION_LABELS:
-        return 0
-    elif isinstance(label, str) and label.strip().lstrip("-").isdigit():
-        value = int(label)
-    else:
-        raise InvalidResponse(
-            f"{where} = {label!r}: not an int policy version (engines must be labelled str(version))"
-        )
-    if value < 0:
-        raise InvalidResponse(f"{where} = {label!r}: policy versions are >= 0")
-    return value
+def _version(decode: Callable[..., int], *args: Any) -> int:
+    """``decode(*args)``, a label decoder of common.versioning, with a bad label being an invalid answer."""
+    try:
+        return decode(*args)
+    except LabelError as exc:
+        raise InvalidResponse(str(exc)) from None
 
 
 def versions_from_spans(meta: Mapping[str, Any], num_tokens: int) -> list[int]:
@@ -159,7 +146,7 @@ def versions_from_spans(meta: Mapping[str, Any], num_tokens: int) -> list[int]:
             return []
         if "weight_version" not in meta:
             raise InvalidResponse("meta_info has neither weight_versions nor weight_version")
-        return [parse_version(meta["weight_version"], "meta_info.weight_version")] * num_tokens
+        return [_version(decode_label, meta["weight_version"], "meta_info.weight_version")] * num_tokens
     if not isinstance(spans, list):
         raise InvalidResponse(f"meta_info.weight_versions = {spans!r}: must be a list of spans")
     versions: list[int] = []
@@ -172,7 +159,7 @@ def versions_from_spans(meta: Mapping[str, Any], num_tokens: int) -> list[int]:
             raise InvalidResponse(
                 f"{where} = {span!r}: spans must tile the output (expected start {len(versions)})"
             )
-        versions.extend([parse_version(span["version"], f"{where}.version")] * (end - start))
+        versions.extend([_version(decode_label, span["version"], f"{where}.version")] * (end - start))
     if len(versions) != num_tokens:
         raise InvalidResponse(
             f"meta_info.weight_versions cover {len(versions)} tokens, the output has {num_tokens}"
@@ -238,7 +225,7 @@ def parse_generate_response(body: Any, expected_rid: str | None = None) -> Gener
         finish_message=str(finish.get("message") or ""),
         matched=finish.get("matched"),
         prompt_tokens=meta.get("prompt_tokens"),
-        weight_version=parse_version(meta.get("weight_version", "default"), "meta_info.weight_version"),
+        weight_version=_version(answer_version, meta, "meta_info.weight_version"),
         num_retractions=int(meta.get("num_retractions", meta.get("total_retractions", 0)) or 0),
         e2e_latency=float(meta.get("e2e_latency") or 0.0),
         raw_meta=meta,

@@ -42,12 +42,12 @@ from broker.version import PolicyVersion
 from common.config import SharedConfig
 from common.configlib import Section
 from common.discovery import resolve_redis_url
+from common.versioning import answer_version
 from rollout_fleet.client import (
     EngineClient,
     SamplingConfig,
     build_generate_request,
     build_group_request,
-    parse_version,
 )
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.envs.base import EnvironmentTask
@@ -185,7 +185,7 @@ async def engines_at_version(
     async def probe(url: str) -> int | str:
         try:
             info = await EngineClient(session, url, timeout_s, timeout_s).model_info()
-            return parse_version(info.get("weight_version", "default"))
+            return answer_version(info)
         except Exception as exc:  # noqa: BLE001 - any failure: this engine is not evaluated
             return f"{type(exc).__name__}: {exc}"
 

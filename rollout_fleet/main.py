@@ -151,8 +151,8 @@ async def open_worker(
             control_timeout_s=shared.http_timeout_s,
             health_interval_s=rollout.health_interval_s,
             no_engine_timeout_s=rollout.no_engine_timeout_s,
-            # never generate on weights more than eta versions behind the published policy
-            min_version=lambda: versions.value - shared.eta,
+            # never generate on weights the learner would drop as stale against the published policy
+            too_old=versions.too_old,
             proxy_url=sglang_router_url(rollout),
         )
         for url in await engine_urls(registry, engine, rollout, fleet):

@@ -4,12 +4,14 @@
   back to the engine that has its prefix cached) when it is routable, else the routable engine with the fewest
   outstanding requests (ties broken round-robin). With no routable engine it waits, up to a timeout, for one to
   come back. :meth:`Router.release` gives the slot back.
-- Routable = healthy and not *behind*: an engine whose weight version is below ``min_version()`` (the
-  published policy version minus eta) is left out until it has caught up, so no rollout is generated on weights
-  older than the staleness bound allows (a restarted engine serves its initial weights until the learner
-  brings it back). Its version comes from the probes and from every answer it gives (:meth:`Router.observe`);
-  :meth:`Router.recheck_behind` probes the engines that are behind at once (the worker calls it when a new
-  version is published, so a caught-up engine is back in routing within a round trip).
+- Routable = healthy and not *behind*: an engine whose weight version ``too_old`` says is beyond the staleness
+  bound (the worker's: more than eta lineage positions from the published policy, measured as the learner
+  measures its tokens, :meth:`common.versioning.Lineage.behind`) is left out until it has caught up, so no
+  rollout is generated on weights older than the staleness bound allows (a restarted engine serves its initial
+  weights until the learner brings it back). Its version comes from the probes and from every answer it gives
+  (:meth:`Router.observe`); :meth:`Router.recheck_behind` probes the engines that are behind at once (the
+  worker calls it when a new version is published, so a caught-up engine is back in routing within a round
+  trip).
 - :meth:`Router.mark_failed`: a request failed in a way that is the engine's fault (connection refused or
   reset, timeout, 5xx). The engine leaves routing at once; its other in-flight requests fail the same way and
   are resubmitted elsewhere by their owners.
@@ -39,7 +41,8 @@ from typing import Any
 import aiohttp
 
 from broker.registry import EngineRegistry, engine_id_for, normalize_url
-from rollout_fleet.client import EngineClient, parse_version
+from common.versioning import answer_version
+from rollout_fleet.client import EngineClient
 
 log = logging.getLogger("streamrl.router")
 
@@ -78,7 +81,7 @@ class Router:
         control_timeout_s: float,
         health_interval_s: float = 2.0,
         no_engine_timeout_s: float = 300.0,
-        min_version: Callable[[], int] | None = None,
+        too_old: Callable[[int], bool] | None = None,
         proxy_url: str | None = None,
     ) -> None:
         self.session = session
@@ -87,7 +90,8 @@ class Router:
         self.control_timeout_s = control_timeout_s
         self.health_interval_s = health_interval_s
         self.no_engine_timeout_s = no_engine_timeout_s
-        self.min_version = min_version or (lambda: 0)
+        # whether an engine serving a weight version is beyond the staleness bound (default: none is)
+        self.too_old = too_old or (lambda version: False)
         self.engines: dict[str, EngineHandle] = {}
         self._changed = asyncio.Event()  # set whenever an engine becomes routable
         self._counter = itertools.count()
@@ -147,7 +151,7 @@ class Router:
 
     def behind(self, handle: EngineHandle) -> bool:
         """Whether the engine serves weights older than the staleness bound allows (unknown counts as not)."""
-        return handle.weight_version is not None and handle.weight_version < self.min_version()
+        return handle.weight_version is not None and self.too_old(handle.weight_version)
 
     def routable(self) -> list[EngineHandle]:
         return [h for h in self.healthy() if not self.behind(h)]
@@ -192,7 +196,7 @@ class Router:
 
     def _why_not(self, handle: EngineHandle) -> str:
         if self.behind(handle):
-            return f"weight version {handle.weight_version} is behind {self.min_version()}"
+            return f"weight version {handle.weight_version} is beyond the staleness bound"
         return handle.last_error or "not probed"
 
     def release(self, handle: EngineHandle) -> None:
@@ -262,7 +266,7 @@ class Router:
             return await self._probe_proxy(handle)
         try:
             info = await handle.client.model_info()
-            version = parse_version(info.get("weight_version", "default"))
+            version = answer_version(info)
         except Exception as exc:  # noqa: BLE001 - any failure means not routable
             error = f"probe: {type(exc).__name__}: {exc}"
             if handle.healthy:

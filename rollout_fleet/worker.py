@@ -39,6 +39,7 @@ from broker.record import RecordError
 from broker.staleness import StalenessManager
 from broker.version import PolicyVersion
 from common.config import SharedConfig
+from common.versioning import Lineage
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.dispatch import Lease, PromptDispatcher
 from rollout_fleet.workflows.abandon import DROP, HAND_BACK, GroupAbandoned
@@ -65,8 +66,9 @@ class RequestsRejected(Exception):
 
 
 class VersionCache:
-    """The published policy version, cached for the admission bound: re-read on every announcement on the
-    control stream and at least every ``poll_s``. Nothing published yet counts as version 0."""
+    """The published policy version and its lineage, cached for the admission bound and the engines' staleness
+    bound: re-read on every announcement on the control stream and at least every ``poll_s``. Nothing published
+    yet counts as version 0."""
 
     def __init__(
         self,
@@ -81,7 +83,10 @@ class VersionCache:
         self.control = BrokerKeys.of(shared, broker).control
         self.poll_ms = max(1, int(poll_s * 1000))
         self.on_change = on_change
+        self.eta = shared.eta
         self.value = 0
+        self.lineage = Lineage()  # which weights each version holds, as of ``value``
+        self._lineage_of: int | None = None  # the version whose lineage was read
 
     def __call__(self) -> int:
         return self.value
@@ -89,11 +94,20 @@ class VersionCache:
     async def refresh(self) -> int:
         version = await self.policy.get()
         value = 0 if version is None else version
+        if value != self._lineage_of:
+            # read after the version: a resume stores its lineage before it publishes, so this one has it
+            self.lineage, self._lineage_of = await self.policy.lineage(), value
         if value != self.value:
             self.value = value
             if self.on_change is not None:
                 self.on_change()
         return value
+
+    def too_old(self, weight_version: int) -> bool:
+        """Whether an engine serving ``weight_version`` is beyond the staleness bound of the published policy, by
+        the learner's own test (lineage positions, not raw versions), so no rollout is generated that the
+        learner would drop as stale."""
+        return self.lineage.behind(self.value, weight_version, self.eta)
 
     async def run(self, stop: asyncio.Event) -> None:
         last = await self.client.xrevrange(self.control, "+", "-", count=1)

@@ -12,6 +12,7 @@ from archiver.config import ArchiveConfig
 from broker.config import BrokerConfig, RedisServerConfig
 from common.config import SharedConfig
 from common.configlib import Section, load_config
+from common.versioning import admission_capacity
 from learner.config import LearnerConfig
 from rollout_fleet.config import EngineConfig, RolloutConfig
 from rollout_fleet.evaluator import EvalConfig
@@ -189,7 +190,8 @@ class StreamRLConfig(Section):
     def _check_cross_role_rules(self) -> StreamRLConfig:
         # The backlog must hold everything that may be in flight between two checkpoints, or producers wait
         # for acknowledgements that only the next checkpoint can give: a deadlock.
-        needed = (self.learner.checkpoint_every + self.shared.eta + 1) * self.learner.groups_per_step
+        gps = self.learner.groups_per_step
+        needed = self.learner.checkpoint_every * gps + admission_capacity(self.shared.eta, gps)
         if self.broker.max_backlog < needed:
             raise ValueError(
                 f"broker.max_backlog = {self.broker.max_backlog} is below (learner.checkpoint_every + "

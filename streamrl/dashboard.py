@@ -55,6 +55,7 @@ from common.config import SharedConfig
 from common.discovery import RedisNotFound, resolve_redis_url
 from common.numbers import parse_number
 from common.prometheus import MetricsServer, metrics_route, start_metrics_server, stream_latest_source
+from common.versioning import LabelError, decode_label
 from streamrl.config import DashboardConfig, StreamRLConfig
 from streamrl.devices import read_plan
 
@@ -384,8 +385,9 @@ class DashboardState:
         for i, engine in enumerate(summary["engines"]):
             if engine["reachable"] is not None:
                 out[f"engine/reachable/{i}"] = float(engine["reachable"])
-            if engine["weight_version"] is not None and engine["weight_version"].lstrip("-").isdigit():
-                out[f"engine/weight_version/{i}"] = int(engine["weight_version"])
+            with contextlib.suppress(LabelError):  # an engine that reports no label, or a foreign one
+                if engine["weight_version"] is not None:
+                    out[f"engine/weight_version/{i}"] = decode_label(engine["weight_version"])
         return out
 
 

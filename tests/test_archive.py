@@ -32,7 +32,9 @@ from broker.consumer import Consumer, Rejected
 from broker.outcomes import Outcome
 from broker.producer import Producer
 from broker.record import synthetic_group
+from broker.version import PolicyVersion
 from common.config import SharedConfig
+from common.versioning import ResumePoint
 
 SHARED = SharedConfig(run_id="arch")
 
@@ -147,6 +149,31 @@ def test_every_group_once_with_its_outcome(tmp_path: Path, redis_url: str) -> No
         cache_dir=str(tmp_path / "hf"),
     )  # fmt: skip
     assert ds.num_rows == 13 and set(ds.column_names) == set(archive.ARCHIVE_SCHEMA.names)
+
+
+def test_staleness_after_a_resume_is_in_lineage_positions(tmp_path: Path, redis_url: str) -> None:
+    """Published up to 10, resumed from the checkpoint of version 6 as 11 (position 6). Trained at 11, a group of
+    version 0 is 6 positions stale and one of version 1 is 5 (as the learner measures it), not 11 and 10."""
+    broker = _broker()
+
+    async def go() -> None:
+        arch, client = _archiver(redis_url, broker, tmp_path / "archive")
+        await arch.start()
+        policy = PolicyVersion(client, SHARED, broker)
+        await policy.publish(10)
+        await policy.record_resume(ResumePoint(11, 6, 4))
+        await policy.publish(11)
+        groups = await _produce(redis_url, broker, 2)  # versions 0 and 1
+        trained = Outcome("trained", step=1, learner_version=11)
+        await _learner_decides(redis_url, broker, {0: trained, 1: trained})
+        await _archive_until(arch, rows=6, pending=0)
+        await arch.flush()
+        await client.aclose()
+        rows = read_archive(tmp_path / "archive").to_pylist()
+        got = {(r["group_id"], r["staleness_max"], r["staleness_mean"]) for r in rows}
+        assert got == {(groups[0].group_id, 6, 6.0), (groups[1].group_id, 5, 5.0)}
+
+    asyncio.run(go())
 
 
 def test_a_crash_between_part_and_acknowledgement_archives_nothing_twice(

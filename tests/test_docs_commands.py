@@ -31,7 +31,9 @@ OWN_PARSER = {"inspect", "export", "compose"}
 NOT_PARSED = {"model", "audit"}
 FIELDS = {name for name, _, _, _ in iter_fields(StreamRLConfig)}
 # a text field takes a placeholder as it is (a required one, like openenv's env_url, must be given to parse)
-TEXT_FIELDS = {name for name, type_name, _, _ in iter_fields(StreamRLConfig) if type_name in ("str", "str | None")}
+TEXT_FIELDS = {
+    name for name, type_name, _, _ in iter_fields(StreamRLConfig) if type_name in ("str", "str | None")
+}
 # An upper-case word (N, DIR, RUN_DIR, HOST:PORT, FILE.toml, A:B), or one holding `...` or a shell `$`: a
 # placeholder.
 PLACEHOLDER = re.compile(r"^(?:[A-Z][A-Z0-9_]*(?:[.:][A-Za-z0-9_]+)*|.*\.\.\..*|.*\$.*)$")

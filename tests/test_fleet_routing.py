@@ -15,12 +15,16 @@ import redis.asyncio as aioredis
 from broker.client import connect
 from broker.config import BrokerConfig
 from broker.registry import EngineRegistry, RegistryError, engine_id_for
+from broker.staleness import check_staleness
+from broker.version import PolicyVersion
 from common.config import SharedConfig
+from common.versioning import Lineage, ResumePoint
 from rollout_fleet.engine.core import Engine
 from rollout_fleet.engine.server import ServerThread
+from rollout_fleet.main import open_worker
 from rollout_fleet.model import init_tiny_model
 from rollout_fleet.router import NoEngineAvailable, Router
-from tests.test_rollout_worker import serving
+from tests.test_rollout_worker import BROKER, configs, serving
 
 pytestmark = pytest.mark.timeout(60)
 SHARED = SharedConfig(run_id="route")
@@ -186,7 +190,7 @@ async def test_an_engine_behind_the_staleness_bound_is_not_routed_until_it_catch
                 control_timeout_s=2.0,
                 health_interval_s=60,  # no periodic probe: only the ones the test asks for
                 no_engine_timeout_s=5.0,
-                min_version=lambda: published[0] - 1,
+                too_old=lambda version: Lineage().behind(published[0], version, eta=1),
             )
             behind, ok = router.add(fresh.url), router.add(current.url)
             await router.probe_all()
@@ -217,3 +221,57 @@ async def test_an_engine_behind_the_staleness_bound_is_not_routed_until_it_catch
             router.observe(behind, 0)
             await router.aclose()
             assert router.behind(behind) and behind.weight_version == 0
+
+
+async def test_after_a_resume_from_an_older_checkpoint_the_engine_bound_agrees_with_the_learner(
+    model_dir: Path, redis_url: str
+) -> None:
+    """A run published versions up to 10, crashed, and resumed from its checkpoint of version 6 as version 11
+    (what the learner's resume records: 11 holds the weights of position 6, 4 positions rolled back). eta 1.
+
+    By hand: an engine still serving version 7 (position 7) is 6 - 7 = -1 position from the published weights,
+    within eta + 4; the learner keeps its tokens, so the worker routes to it, although the raw bound
+    (11 - eta = 10) left it out. An engine that restarted on version 0 (position 0) is 6 positions behind, more
+    than 1 + 4: both the learner and the worker refuse it. The worker's bound is the one ``open_worker`` wires."""
+    shared = SharedConfig(run_id="resumed", eta=1)
+    client = connect(redis_url, BROKER)
+    policy = PolicyVersion(client, shared, BROKER)
+    await policy.publish(10)
+    lineage = (await policy.lineage()).resumed(version=11, restored=6, published=10)
+    assert lineage.points == (ResumePoint(11, 6, 4),)
+    await policy.record_resume(lineage.points[-1])  # as the learner does: the lineage before the version
+    await policy.publish(11)
+    try:
+        with serving(model_dir) as restarted, serving(model_dir) as lagging, serving(model_dir) as current:
+            lagging.engine.set_weight_version("7")
+            current.engine.set_weight_version("11")
+            urls = [restarted.url, lagging.url, current.url]
+            shared, engine, rollout = configs(model_dir, urls, run_id="resumed", eta=1, health_interval_s=60)
+            async with open_worker(shared, BROKER, engine, rollout, 4, redis_url) as worker:
+                router = worker.router
+                assert worker.versions.value == 11 and worker.versions.lineage == lineage
+                assert {h.url for h in router.routable()} == {lagging.url, current.url}
+                raw_bound = 11 - shared.eta  # before: engines below the published version minus eta were out
+                assert raw_bound > 7
+                assert check_staleness(11, shared.eta, 7, lineage).keep
+                assert check_staleness(11, shared.eta, 0, lineage).reason == "stale"
+                picks = set()
+                for _ in range(6):
+                    handle = await router.acquire()
+                    picks.add(handle.url)
+                    router.release(handle)
+                assert restarted.url not in picks and lagging.url in picks
+
+                # the learner trains on (12, 13 at positions 7, 8): for every engine version, at every published
+                # version, the worker refuses an engine exactly when the learner would drop its tokens as stale
+                for published in (11, 12, 13):
+                    if published > 11:
+                        await policy.publish(published)
+                    await worker.versions.refresh()
+                    for version in range(published + 1):
+                        stale = check_staleness(published, shared.eta, version, lineage).reason == "stale"
+                        assert worker.versions.too_old(version) == stale, (published, version)
+                # at 13 (position 8) the lagging engine is 1 behind, allowed 1 + 4; version 2 is 6 behind: stale
+                assert not worker.versions.too_old(7) and worker.versions.too_old(2)
+    finally:
+        await client.aclose()

@@ -13,15 +13,14 @@ import torch
 from broker.staleness import (
     CounterError,
     InMemoryCounters,
-    Lineage,
     RedisCounters,
-    ResumePoint,
     StalenessManager,
     check_staleness,
     staleness,
     staleness_stats,
 )
 from common.config import SharedConfig
+from common.versioning import Lineage, ResumePoint
 
 
 async def _walk_capacity_by_hand(counters) -> None:

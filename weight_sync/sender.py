@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from common.versioning import encode_label
 from weight_sync import protocol, tensor_transport
 from weight_sync.buckets import Bucket, BucketBuilder, flatten_into, unflatten
 from weight_sync.client import EngineHttp, wait_reply
@@ -337,7 +338,7 @@ class _Attempt:
             bucket.metas,
             group_name=cfg.group_name,
             flush_cache=cfg.flush(),
-            weight_version=str(self.version),
+            weight_version=encode_label(self.version),
             load_format="flattened_bucket" if self.flattened else None,
         )
         path = protocol.UPDATE_DISTRIBUTED
@@ -368,7 +369,7 @@ class _Attempt:
             body = protocol.update_tensor_body(
                 [tensor_transport.serialize(payload) for _ in range(engine.ranks)],
                 flush_cache=cfg.flush(),
-                weight_version=str(self.version),
+                weight_version=encode_label(self.version),
                 load_format="flattened_bucket" if self.flattened else None,
             )
             futures[engine.url] = s.http.submit(engine.url, protocol.UPDATE_TENSOR, body)
@@ -712,7 +713,7 @@ class WeightSender:
             state.failed.update({e.url: reason for e in self.healthy})
             return False
         if not attempt.failed:
-            failures = self._complete(attempt.members, str(attempt.version))
+            failures = self._complete(attempt.members, encode_label(attempt.version))
             if not failures:
                 state.ok = [e.url for e in attempt.members]
                 return False
@@ -882,7 +883,7 @@ def sync_weights(
     process_group: dist.ProcessGroup | None = None,
     lora_sync: str = "adapter",
 ) -> SyncResult | None:
-    """Send ``model``'s current weights to every engine as ``weight_version = str(version)``.
+    """Send ``model``'s current weights to every engine as ``weight_version = encode_label(version)``.
 
     Call on every learner rank (each takes part in the FSDP gathers); pass the ``WeightSender`` on rank 0 of
     ``process_group`` (default: the learner's default group) and None elsewhere. Returns the ``SyncResult`` on
@@ -966,14 +967,14 @@ def sync_adapter_by_path(
     loads = sender.http.call_all(urls, protocol.LOAD_LORA, protocol.load_lora_body(name, str(path)))
     failed.update({u: f"{protocol.LOAD_LORA}: {r.describe()}" for u, r in loads.items() if not r.ok})
     loaded = [u for u in urls if u not in failed]
-    label = protocol.update_weight_version_body(str(version), abort_all_requests=False)
+    label = protocol.update_weight_version_body(encode_label(version), abort_all_requests=False)
     labels = sender.http.call_all(loaded, protocol.UPDATE_WEIGHT_VERSION, label)
     failed.update(
         {u: f"{protocol.UPDATE_WEIGHT_VERSION}: {r.describe()}" for u, r in labels.items() if not r.ok}
     )
     ok = [u for u in loaded if u not in failed]
     for url in ok:
-        sender.given[url] = str(version)
+        sender.given[url] = encode_label(version)
     stale = version - cfg.keep_adapters
     if stale >= 0:  # best effort: an older version may never have been loaded here (a restart, a skip)
         sender.http.call_all(ok, protocol.UNLOAD_LORA, protocol.unload_lora_body(cfg.adapter_name(stale)))

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from common.versioning import INITIAL_LABEL
 from rollout_fleet.engine.memory import WeightMemory, trim_heap
 from rollout_fleet.engine.protocol import GenItem
 from rollout_fleet.engine.runner import ModelRunner
@@ -117,7 +118,7 @@ class Engine:
         disable_radix_cache: bool = False,
         seed: int = 0,
         step_log_size: int = 4096,
-        weight_version: str = "0",
+        weight_version: str = INITIAL_LABEL,
         served_model_name: str | None = None,
     ) -> None:
         path = Path(model_path)

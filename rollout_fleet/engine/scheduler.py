@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from common.versioning import INITIAL_LABEL
 from rollout_fleet.engine import sampler
 from rollout_fleet.engine.protocol import (
     ABORT_IN_WAITING_QUEUE,
@@ -172,7 +173,7 @@ class Scheduler:
         disable_radix_cache: bool = False,
         seed: int = 0,
         step_log_size: int = 4096,
-        weight_version: str = "0",
+        weight_version: str = INITIAL_LABEL,
     ) -> None:
         if chunked_prefill_size < 1:
             raise ValueError(f"engine.chunked_prefill_size must be at least 1, got {chunked_prefill_size}")

@@ -34,6 +34,7 @@ from typing import Any
 from aiohttp import web
 
 from common.prometheus import metrics_route
+from common.versioning import LabelError, decode_label
 from rollout_fleet.engine import openai_api, protocol
 from rollout_fleet.engine.core import Engine, EngineBusy
 from rollout_fleet.engine.memory import resident_bytes
@@ -83,6 +84,15 @@ def _dumps(obj: Any) -> str:
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(text=_dumps(obj), status=status, content_type="application/json")
+
+
+def _label_value(label: str) -> int | str:
+    """An engine's ``weight_version`` label as the policy version it names, for ``/metrics`` (a label that
+    names none stays text: an ``_info`` metric)."""
+    try:
+        return decode_label(label)
+    except LabelError:
+        return label
 
 
 def error_response(message: str, status: int = 400) -> web.Response:
@@ -206,7 +216,7 @@ class EngineServer:
             **self.engine.scheduler.loads(),
             "paused": self.is_paused,
             "http_requests_in_flight": len(self.live_rids),
-            "weight_version": int(version) if version.lstrip("-").isdigit() else version,
+            "weight_version": _label_value(version),
         }
 
     # -- helpers ----------------------------------------------------------------------------------------------
