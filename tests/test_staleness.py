@@ -10,11 +10,11 @@ import redis
 import redis.asyncio as aioredis
 import torch
 
+from broker.admission import RedisCounters
 from broker.staleness import (
     CounterError,
     InMemoryCounters,
     Lineage,
-    RedisCounters,
     ResumePoint,
     StalenessManager,
     check_staleness,
