@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from broker.consumer import Consumer, Delivery
+from broker.protocols import Delivery, TrajectorySource
 from broker.record import TrajectoryGroup
 from broker.staleness import Lineage, StalenessCounters, StalenessManager, check_staleness
 from common.configlib import ConfigError
@@ -99,7 +99,7 @@ class Intake:
 
     def __init__(
         self,
-        consumer: Consumer,
+        consumer: TrajectorySource,
         admission: StalenessCounters | StalenessManager,
         config: LearnerConfig,
         eta: int,
