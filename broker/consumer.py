@@ -28,7 +28,6 @@ groups (e.g. a monitor) acknowledge without touching it.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,12 +35,14 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from broker.admission import DropRecorder, RedisCounters, give_back
 from broker.client import BrokerKeys, connection_stats
 from broker.codec import decode
 from broker.config import BrokerConfig
 from broker.outcomes import RECORDS_LUA, Outcome
+from broker.protocols import Delivery, DropRecord, check_drop_reason
 from broker.record import KNOWN_SCHEMA_VERSIONS, RecordError, TrajectoryGroup
-from broker.staleness import COUNTERS_LUA
+from broker.staleness import StalenessCounters
 from common.config import SharedConfig
 
 # Stream ids compared as (milliseconds, sequence): parse and less, for the scripts below.
@@ -148,26 +149,6 @@ return 1
 """
 )
 
-_DROP = (
-    RECORDS_LUA
-    + COUNTERS_LUA
-    + """
--- KEYS: 1 dropped stream, 2 dropped index hash, 3 counters hash, 4 (optional) the admission counters hash
--- ARGV: 1 group id, 2 reason, 3.. field name/value pairs
--- Returns {record id, 1 if this call recorded it (0: an earlier drop of the group did), 1 if it gave the group's
--- admission capacity back}. The record and the give-back are one step: a crash cannot separate them, and a
--- group's capacity comes back once however often it is dropped again after restarts.
-local existing = redis.call('HGET', KEYS[2], ARGV[1])
-if existing then return {existing, 0, 0} end
-local fields = {}
-for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
-local id = record_drop(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], fields)
-local gave = 0
-if KEYS[4] then gave = move(KEYS[4], 'accepted', 'dropped', 1) end
-return {id, 1, gave}
-"""
-)
-
 _TRIM = (
     STREAM_ID_LUA
     + """
@@ -191,28 +172,6 @@ end
 return redis.call('XTRIM', KEYS[1], 'MINID', minid)
 """
 )
-
-_REASON = re.compile(r"^[a-z][a-z0-9_]*$")
-
-
-@dataclass
-class Delivery:
-    """One entry handed to the caller: acknowledge it with ``Consumer.ack`` once its effect is durable."""
-
-    entry_id: str
-    group: TrajectoryGroup
-    delivery_count: int
-    nbytes: int  # payload size
-
-
-@dataclass(frozen=True)
-class DropRecord:
-    """What :meth:`Consumer.drop` did: the group's record in the dropped stream, whether this call wrote it (a
-    repeat returns the first one's id), and whether it gave the group's admission capacity back."""
-
-    record_id: str
-    first: bool
-    gave_back: bool
 
 
 @dataclass
@@ -330,7 +289,7 @@ class Consumer:
         self.decoder = decoder
         self._ack = client.register_script(_ACK)
         self._dead_letter = client.register_script(_DEAD_LETTER)
-        self._drop = client.register_script(_DROP)
+        self._drops = DropRecorder(client, self.keys)
         self._trim = client.register_script(_TRIM)
         self._handed: dict[str, tuple[str, str]] = {}  # entry id -> (group id, payload key): not yet acked
         self._handed_gids: dict[str, str] = {}  # group id -> entry id
@@ -569,16 +528,19 @@ class Consumer:
     # ----- drops and trimming ---------------------------------------------------------------------------
 
     async def drop(
-        self, item: Delivery | TrajectoryGroup, reason: str, detail: str = "", admission: str | None = None
+        self,
+        item: Delivery | TrajectoryGroup,
+        reason: str,
+        detail: str = "",
+        admission: StalenessCounters | str | None = None,
     ) -> DropRecord:
         """Record in the durable dropped stream that a group is not trained on, and why (a short code such as
         ``stale``, ``zero_signal``, ``reward_error``). Once per group id: a repeated drop returns the first
-        record's id and changes nothing. With ``admission`` (the admission counters' hash,
-        broker.staleness.RedisCounters.key) the first drop also gives the group's admission capacity back
-        (accepted -> dropped) in the same script. The original entry still has to be acknowledged with the next
-        checkpoint."""
-        if not _REASON.match(reason):
-            raise ValueError(f"reason = {reason!r}: must be a short code like 'stale' ([a-z0-9_])")
+        record's id and changes nothing. With ``admission`` (the admission counters, or the key of their Redis
+        hash) the first drop also gives the group's admission capacity back (accepted -> dropped): in the same
+        script for counters in Redis (broker.admission.RedisCounters), right after it for others. The original
+        entry still has to be acknowledged with the next checkpoint."""
+        check_drop_reason(reason)
         group = item.group if isinstance(item, Delivery) else item
         entry_id = item.entry_id if isinstance(item, Delivery) else ""
         fields = {
@@ -592,14 +554,13 @@ class Consumer:
             "consumer": self.name,
             "detail": detail,
         }
-        args: list[Any] = [group.group_id, reason]
-        for k, v in fields.items():
-            args += [k, v]
-        keys = [self.keys.dropped, self.keys.dropped_index, self.keys.counters]
-        if admission is not None:
-            keys.append(admission)
-        record_id, first, gave_back = await self._drop(keys=keys, args=args)
-        return DropRecord(_text(record_id), bool(first), bool(gave_back))
+        # Counters in Redis give the capacity back inside the record's script (a crash cannot separate them);
+        # counters elsewhere (one process's memory) right after it.
+        scripted = admission if isinstance(admission, (str, RedisCounters)) else None
+        record = await self._drops.record(group.group_id, reason, fields, scripted)
+        if admission is None or scripted is not None or not record.first:
+            return record
+        return DropRecord(record.record_id, record.first, gave_back=await give_back(admission))
 
     async def recorded_drop(self, group_id: str) -> str | None:
         """The reason of the group's drop record, or None when it was never dropped: a learner that meets a

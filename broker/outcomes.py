@@ -18,8 +18,8 @@ groups rollout workers dropped) and with what is still in the stream, and counts
 
 The learner also writes a record to the dropped stream (``BrokerKeys.dropped``) the moment it drops a group, for
 dashboards; that one is provisional (a crash before the next checkpoint can undo the decision), the outcome is
-final. Both are written by the Lua functions here, which the consumer's scripts and the prompt dispatch's
-completion script include: one definition of each record.
+final. Both are written by the Lua functions here, which the consumer's scripts and the admission scripts
+(``broker.admission``: the dispatch's completion, the learner's drop) include: one definition of each record.
 """
 
 from __future__ import annotations

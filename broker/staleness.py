@@ -24,9 +24,9 @@ twice (docs/losses.md, "Staleness"):
   behind the learner, with the reason ``"stale"`` and the staleness value.
 
 The counters are an injected :class:`StalenessCounters` so that every worker of the fleet shares one global
-count: :class:`InMemoryCounters` for one process and tests, :class:`RedisCounters` backed by a Redis hash
-updated by Lua scripts (atomic across processes and machines). :data:`COUNTERS_LUA` is the one definition of
-those updates in Lua; the prompt dispatch's lease script (``rollout_fleet.dispatch``) calls the same functions.
+count: :class:`InMemoryCounters` for one process and tests, ``broker.admission.RedisCounters`` backed by a Redis
+hash updated by Lua scripts (atomic across processes and machines); ``broker.admission`` is the one home of those
+scripts, the prompt dispatch's lease, completion and release and the learner's drop included.
 """
 
 from __future__ import annotations
@@ -36,11 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
-
-from common.config import SharedConfig
-from common.versioning import Lineage
+from common.versioning import Lineage, admission_capacity
 
 
 @dataclass(frozen=True)
@@ -129,97 +125,6 @@ class InMemoryCounters:
         self._c = CounterSnapshot(**{**vars(self._c), "consumed": n})
 
 
-# The admission counters' transitions, as Lua functions over the counters hash. RedisCounters' scripts and the
-# dispatch's lease script (which grants a prompt and admits it in one step) are built from these.
-COUNTERS_LUA = """
--- admit: running += n, started += n iff running + n <= max_running and
---   accepted + running + n <= base + consumed (base = (eta + 1) * groups_per_step). Returns 1, or 0 (wait).
-local function admit(key, n, max_running, base)
-  local running = tonumber(redis.call('HGET', key, 'running') or '0')
-  local accepted = tonumber(redis.call('HGET', key, 'accepted') or '0')
-  local consumed = tonumber(redis.call('HGET', key, 'consumed') or '0')
-  if running + n > max_running or accepted + running + n > base + consumed then return 0 end
-  redis.call('HINCRBY', key, 'running', n)
-  redis.call('HINCRBY', key, 'started', n)
-  return 1
-end
--- move: src -= n, dst += n iff src >= n (src '' only adds). Returns 1, or 0 when src holds less than n.
-local function move(key, src, dst, n)
-  if src ~= '' then
-    local have = tonumber(redis.call('HGET', key, src) or '0')
-    if have < n then return 0 end
-    redis.call('HINCRBY', key, src, -n)
-  end
-  redis.call('HINCRBY', key, dst, n)
-  return 1
-end
-"""
-
-_MOVE_LUA = (
-    COUNTERS_LUA
-    + """
-if move(KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3])) == 0 then
-  local have = redis.call('HGET', KEYS[1], ARGV[1]) or '0'
-  return redis.error_reply('cannot move ' .. ARGV[3] .. ' from ' .. ARGV[1] .. ' = ' .. have .. ' to ' .. ARGV[2])
-end
-return 1
-"""
-)
-
-_TRY_START_LUA = (
-    COUNTERS_LUA
-    + """
-return admit(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]))
-"""
-)
-
-
-class RedisCounters:
-    """Counters in the Redis hash ``shared.key(name)``, changed only by Lua scripts (atomic server-side),
-    so every worker of the fleet and the learner see one global count."""
-
-    def __init__(self, client: aioredis.Redis, shared: SharedConfig, name: str = "admission") -> None:
-        self.client = client
-        self.key = shared.key(name)
-        self._move_script = client.register_script(_MOVE_LUA)
-        self._try_start_script = client.register_script(_TRY_START_LUA)
-
-    async def snapshot(self) -> CounterSnapshot:
-        names = [f.name for f in CounterSnapshot.__dataclass_fields__.values()]
-        values = await self.client.hmget(self.key, names)
-        return CounterSnapshot(**{k: int(v or 0) for k, v in zip(names, values, strict=True)})
-
-    async def _move(self, source: str, target: str, n: int) -> None:
-        _check_n(n)
-        try:
-            await self._move_script(keys=[self.key], args=[source, target, n])
-        except ResponseError as exc:
-            raise CounterError(f"{self.key}: {exc}") from None
-
-    async def start(self, n: int) -> None:
-        _check_n(n)
-        # try_start with limits no count reaches: the same two increments, in one script.
-        if not await self._try_start_script(keys=[self.key], args=[n, 2**52, 2**52]):
-            raise CounterError(f"{self.key}: unconditional start of {n} groups was refused")
-
-    async def try_start(self, n: int, max_running: int, base_outstanding: int) -> bool:
-        _check_n(n)
-        return bool(await self._try_start_script(keys=[self.key], args=[n, max_running, base_outstanding]))
-
-    async def accept(self, n: int) -> None:
-        await self._move("running", "accepted", n)
-
-    async def reject(self, n: int) -> None:
-        await self._move("running", "rejected", n)
-
-    async def drop(self, n: int) -> None:
-        await self._move("accepted", "dropped", n)
-
-    async def set_consumed(self, n: int) -> None:
-        _check_consumed(n)
-        await self.client.hset(self.key, "consumed", n)
-
-
 def _check_n(n: int) -> None:
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"group count n = {n!r} must be a positive integer")
@@ -249,8 +154,8 @@ class StalenessManager:
 
     @property
     def base_outstanding(self) -> int:
-        """``(eta + 1) * groups_per_step``: groups that may be accepted or running beyond those consumed."""
-        return (self.eta + 1) * self.groups_per_step
+        """Groups that may be accepted or running beyond those consumed (common.versioning.admission_capacity)."""
+        return admission_capacity(self.eta, self.groups_per_step)
 
     async def capacity(self) -> int:
         """Groups that may start now; 0 or negative means wait."""

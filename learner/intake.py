@@ -12,14 +12,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from broker.consumer import Consumer, Delivery
+from broker.protocols import Delivery, TrajectorySource
 from broker.record import TrajectoryGroup
-from broker.staleness import CounterError, StalenessManager, check_staleness
+from broker.staleness import StalenessCounters, StalenessManager, check_staleness
 from common.configlib import ConfigError
 from common.lifecycle import crash_point
 from common.versioning import Lineage, admission_capacity
@@ -100,20 +100,18 @@ class Intake:
 
     def __init__(
         self,
-        consumer: Consumer,
-        admission: StalenessManager,
+        consumer: TrajectorySource,
+        admission: StalenessCounters | StalenessManager,
         config: LearnerConfig,
         eta: int,
         should_stop: Callable[[], bool],
         max_seq_len: int | None = None,
-        admission_key: str | None = None,
     ) -> None:
         self.consumer = consumer
-        # The admission counters' Redis hash (RedisCounters.key): a drop then gives its group's capacity back in
-        # the drop record's own script, once per group. None (in-memory counters): through ``admission``.
-        self.admission_key = admission_key
+        # The admission counters (a StalenessManager stands for its own): a drop gives its group's capacity back
+        # to them with its record, once per group; the learner never admits, so it needs no bound.
+        self.counters = admission.counters if isinstance(admission, StalenessManager) else admission
         self.max_seq_len = max_seq_len  # sequence_limit(): longer samples drop their group as too_long
-        self.admission = admission
         self.config = config
         self.eta = eta
         self.should_stop = should_stop
@@ -205,15 +203,8 @@ class Intake:
         await self._drop(delivery, reason, detail, batch)
 
     async def _drop(self, delivery: Delivery, reason: str, detail: str, batch: StepBatch) -> None:
-        record = await self.consumer.drop(delivery, reason, detail, admission=self.admission_key)
+        record = await self.consumer.drop(delivery, reason, detail, admission=self.counters)
         crash_point("intake.after_drop")
-        if record.first and self.admission_key is None:
-            try:
-                await self.admission.on_drop(1)
-            except CounterError:
-                record = replace(record, gave_back=False)
-            else:
-                record = replace(record, gave_back=True)
         if record.first and not record.gave_back:
             # Produced outside admission control (a test producer, an import): no capacity to give back.
             self.totals["drop_without_admission"] = self.totals.get("drop_without_admission", 0) + 1

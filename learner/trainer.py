@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from broker.admission import RedisCounters
 from broker.client import LEARNER_CLIENT_NAME, connect
 from broker.config import BrokerConfig
 from broker.consumer import Consumer
 from broker.metrics import MetricsWriter
 from broker.record import TrajectoryGroup
-from broker.staleness import RedisCounters, StalenessManager, staleness_stats
+from broker.staleness import staleness_stats
 from broker.version import PolicyVersion
 from common.config import SharedConfig
 from common.lifecycle import crash_point
@@ -304,16 +305,13 @@ class Learner:
             await self.consumer.ensure_group()
             self.policy_version = PolicyVersion(client, self.shared, self.broker_config)
             self.metrics = MetricsWriter(client, self.shared, "learner")
-            counters = RedisCounters(client, self.shared)
-            admission = StalenessManager(self.shared.eta, self.config.groups_per_step, 1 << 30, counters)
             self.intake = Intake(
                 self.consumer,
-                admission,
+                RedisCounters(client, self.shared),
                 self.config,
                 self.shared.eta,
                 self.stop_requested.is_set,
                 max_seq_len=self.max_seq_len,
-                admission_key=counters.key,
             )
 
         self._call(make())
@@ -386,7 +384,7 @@ class Learner:
                 self._call(self.policy_version.publish(self.version))
             self._announced = self.version
             # admission counts in groups: what the announced weights contain (a resume states its checkpoint's)
-            self._call(self.intake.admission.on_consumed(self.intake.totals.get("trained", 0)))
+            self._call(self.intake.counters.set_consumed(self.intake.totals.get("trained", 0)))
         self._unannounced = not publication.announce
         self._last_publish_metrics = {
             **publication.metrics,

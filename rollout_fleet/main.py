@@ -30,12 +30,13 @@ import aiohttp
 import redis.asyncio as aioredis
 import uvloop
 
+from broker.admission import RedisCounters
 from broker.client import connect
 from broker.config import BrokerConfig
 from broker.metrics import MetricsWriter
 from broker.producer import Producer
 from broker.registry import EngineRegistry
-from broker.staleness import RedisCounters, StalenessManager
+from broker.staleness import StalenessManager
 from common.config import SharedConfig
 from common.configlib import ConfigError
 from common.discovery import RedisNotFound, resolve_redis_url

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
+from broker.admission import RedisCounters
 from broker.client import BrokerKeys, connect
 from broker.codec import SAMPLE_KEYS, encode
 from broker.config import BrokerConfig
@@ -18,7 +19,6 @@ from broker.consumer import Consumer, DropRecord, dead_letters, dropped
 from broker.metrics import BrokerMetrics, MetricsReader, MetricsWriter
 from broker.producer import Producer
 from broker.record import synthetic_group
-from broker.staleness import RedisCounters
 from common.config import SharedConfig
 
 SHARED = SharedConfig(run_id="t")

@@ -16,11 +16,11 @@ import redis
 import torch
 from safetensors.torch import load_file
 
+from broker.admission import RedisCounters
 from broker.client import BrokerKeys, connect
 from broker.config import BrokerConfig
 from broker.metrics import metrics_key
 from broker.producer import Producer
-from broker.staleness import RedisCounters
 from common.config import SharedConfig
 from common.lifecycle import CRASH_AT_ENV, CRASH_GROUP_ENV
 from learner.checkpoint import CheckpointMeta, committed_checkpoints, trained_group_ids

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
+from broker.admission import RedisCounters
 from broker.client import BrokerKeys, connect
 from broker.config import BrokerConfig
 from broker.consumer import Consumer
 from broker.outcomes import Outcome, audit, format_audit, read_outcomes
 from broker.producer import Producer
 from broker.record import synthetic_group
-from broker.staleness import RedisCounters, StalenessManager
+from broker.staleness import StalenessManager
 from common.config import SharedConfig
 from rollout_fleet.dispatch import PromptDispatcher
 

@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+from broker.admission import RedisCounters
 from broker.client import connect
 from broker.config import BrokerConfig
 from broker.consumer import dropped
 from broker.record import make_group_id
-from broker.staleness import RedisCounters, StalenessManager
+from broker.staleness import StalenessManager
 from common.config import SharedConfig
 from rollout_fleet.dispatch import DispatchMismatch, PromptDispatcher
 

@@ -19,12 +19,12 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
+from broker.admission import RedisCounters
 from broker.client import connect
 from broker.config import BrokerConfig
 from broker.consumer import Consumer, dropped
 from broker.metrics import MetricsReader
 from broker.record import TrajectoryGroup, make_group_id
-from broker.staleness import RedisCounters
 from broker.version import PolicyVersion
 from common.config import SharedConfig
 from rollout_fleet.config import EngineConfig, RolloutConfig

@@ -10,10 +10,10 @@ import redis
 import redis.asyncio as aioredis
 import torch
 
+from broker.admission import RedisCounters
 from broker.staleness import (
     CounterError,
     InMemoryCounters,
-    RedisCounters,
     StalenessManager,
     check_staleness,
     staleness,
