@@ -44,6 +44,8 @@ class Command:
 
 # Every role with a Prometheus endpoint of its own port reads where to serve it.
 METRICS_FIELDS = ("dashboard.metrics_host", "dashboard.metrics_base_port")
+# What `up` and `plan` read: every section but streamrl sft's, which is a run of its own.
+RUN_SECTIONS = tuple(name for name in StreamRLConfig.model_fields if name != "sft")
 LORA_NAMING_FIELDS = ("learner.lora.rank", "weight_sync.lora_sync", "weight_sync.lora_name")
 
 
@@ -96,6 +98,14 @@ def _run_learner(config: StreamRLConfig) -> int:
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 serves the learner's metrics
         return run_learner(role, ranks)
     return _with_prometheus(config, "learner", 0, lambda: run_learner(role, ranks))
+
+
+def _run_sft(config: StreamRLConfig) -> int:
+    from learner.sft import run_sft
+
+    # Each rank runs this same entry path with the resolved config main() wrote, and its RANK set.
+    ranks = [sys.executable, "-m", "streamrl", "sft", "--config", str(resolved_config_path(config, "sft"))]
+    return run_sft(config.shared, config.sft, ranks)
 
 
 def _run_rollout(config: StreamRLConfig) -> int:
@@ -188,6 +198,11 @@ COMMANDS: dict[str, Command] = {
         _run_learner,
         METRICS_FIELDS,
     ),
+    "sft": Command(
+        "supervised training of shared.model_path on a JSONL dataset (FSDP2, checkpoints, HF export)",
+        ("shared", "sft"),
+        _run_sft,
+    ),
     "eval": Command(
         "evaluate held-out accuracy through the engines as training goes",
         ("shared", "broker", "rollout", "eval"),
@@ -208,12 +223,12 @@ COMMANDS: dict[str, Command] = {
     "dashboard": Command("serve the live dashboard", ("shared", "dashboard", "broker"), _run_dashboard),
     "up": Command(
         "start every role under one supervisor: on this node, or on a Ray cluster (up.launcher)",
-        tuple(StreamRLConfig.model_fields),
+        RUN_SECTIONS,
         _run_up,
     ),
     "plan": Command(
         "print the device plan and weight transport `up` would start with, and exit (2 if it does not fit)",
-        tuple(StreamRLConfig.model_fields),
+        RUN_SECTIONS,
         _run_plan,
     ),
 }
@@ -307,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"streamrl {name}: {exc}", file=sys.stderr)
         return 2
-    if name != "learner":  # each learner rank sets up its own logging, with its rank in the format
+    if name not in (
+        "learner",
+        "sft",
+    ):  # each learner rank sets up its own logging, with its rank in the format
         logging.basicConfig(
             level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s"
         )
