@@ -255,10 +255,10 @@ def _resume_args(name: str, args: list[str]) -> list[str]:
 
 def _model_command(args: list[str]) -> int:
     """``streamrl model init [--out DIR --steps N --seed S ...]``: build (or find cached) the warm-started tiny
-    model; the options are rollout_fleet.warmstart's (``streamrl model init --help``)."""
+    model through the supervised trainer; the options are streamrl.warm_start's (``streamrl model init --help``)."""
     if not args or args[0] != "init":
         print(
-            "usage: streamrl model init [--out DIR] [--steps N] [--seed S] [--help]\n"
+            "usage: streamrl model init [--task TASK] [--out DIR] [--steps N] [--seed S] [--help]\n"
             "       streamrl model init --shape qwen2.5-0.5b [--out DIR]",
             file=sys.stderr,
         )
@@ -267,9 +267,9 @@ def _model_command(args: list[str]) -> int:
         from rollout_fleet.shapes import main as shapes_main
 
         return shapes_main(args[1:])
-    from rollout_fleet.warmstart import main as warmstart_main
+    from streamrl.warm_start import main as warm_start_main
 
-    return warmstart_main(args[1:])
+    return warm_start_main(args[1:])
 
 
 def _usage() -> str:
