@@ -62,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra", action="append", default=[], help="one more override for the tool runs")
     args = parser.parse_args(argv)
     seeds = args.seeds or (1 if args.quick else 3)
-    from rollout_fleet.tool_warmstart import init_tool_warm_model
-    from rollout_fleet.warmstart import init_warm_model
+    from streamrl.warm_start import init_tool_warm_model, init_warm_model
 
     tool_model, plain_model = init_tool_warm_model(), init_warm_model()
     print(f"held-out episodes of the warm start ({args.heldout} problems) ...", flush=True)

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     mode = "quick" if args.quick else "full"
     pairs, steps = MODES[mode]["pairs"], MODES[mode]["steps"]
-    from rollout_fleet.warmstart import init_warm_model
+    from streamrl.warm_start import init_warm_model
 
     model = init_warm_model()
     work = args.work or Path(tempfile.mkdtemp(prefix="archive-overhead-"))

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     steps = args.steps or (15 if args.quick else 40)
     seeds = args.seeds or (1 if args.quick else 2)
-    from rollout_fleet.warmstart import init_warm_model
+    from streamrl.warm_start import init_warm_model
 
     model = init_warm_model()
     per_eta: dict[str, list[dict]] = {str(eta): [] for eta in ETAS}

@@ -124,7 +124,7 @@ def one_up(placement: str, steps: int, model: Path) -> dict[str, float]:
 
 def steps(runs: int, count: int) -> dict[str, Any]:
     """Part 2: seconds per step of each placement, the runs alternating."""
-    from rollout_fleet.warmstart import init_warm_model
+    from streamrl.warm_start import init_warm_model
 
     model = init_warm_model()
     samples: dict[str, list[dict[str, float]]] = {p: [] for p in PLACEMENTS}

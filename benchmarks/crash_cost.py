@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--pairs = {args.pairs}: must be >= 0")
     if args.load and not args.pairs:
         parser.error("--load goes with --pairs")
-    from rollout_fleet.warmstart import init_warm_model
+    from streamrl.warm_start import init_warm_model
 
     model = init_warm_model()
     if args.pairs:

@@ -26,7 +26,7 @@ Parts, each ``{status: passed | failed | skipped, seconds, reason, ...numbers}``
    tokens/s = generated tokens / wall seconds of the batch, and every answer checked to be a non-empty list of
    token ids in the vocabulary with ``completion_tokens`` equal to its length.
 4. ``colocated_up``: ``streamrl up --shared.placement=colocated --shared.eta=0`` on the built-in arithmetic task
-   with the warm-started tiny model (``rollout_fleet.warmstart.init_warm_model``: cached under $STREAMRL_CACHE,
+   with the warm-started tiny model (``streamrl.warm_start.init_warm_model``: cached under $STREAMRL_CACHE,
    else built on the CPU, in the background while part 1 runs), one learner rank and one engine sharing the GPU,
    ``--colocated-steps`` (30) steps. Then from the run directory: the weight transport every role read
    (config.toml's ``weight_sync.transport``: ``tensor``, i.e. CUDA IPC handles on a GPU, shared memory on the
@@ -964,7 +964,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = ThreadPoolExecutor(1)
     warm_model: Future = Future()
     if "colocated_up" not in args.skip:
-        from rollout_fleet.warmstart import init_warm_model
+        from streamrl.warm_start import init_warm_model
 
         # the colocated run's model, cached or built on the CPU (one thread) while the GPU parts run
         warm_model = pool.submit(init_warm_model, progress=None)

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs, steps = MODES[mode]["pairs"], MODES[mode]["steps"]
     from ray.cluster_utils import Cluster
 
-    from rollout_fleet.warmstart import init_warm_model
+    from streamrl.warm_start import init_warm_model
 
     model = init_warm_model()
     work = args.work or Path(tempfile.mkdtemp(prefix="launchers-"))

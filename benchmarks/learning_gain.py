@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{up_options}: other options go to streamrl up, each as --section.field=value")
     if args.runs < 1:
         parser.error(f"--runs = {args.runs}: must be >= 1")
-    from rollout_fleet.warmstart import init_warm_model
+    from streamrl.warm_start import init_warm_model
 
     model = init_warm_model()
     extra = BROKEN.get(args.broken or "", []) + (COLOCATED_ARGS if args.colocated else []) + up_options

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra", action="append", default=[], help="one more override for every run")
     args = parser.parse_args(argv)
     seeds = args.seeds or (1 if args.quick else 3)
-    from rollout_fleet.warmstart import init_warm_model
+    from streamrl.warm_start import init_warm_model
 
     model = init_warm_model()
     heldout = [f"--rollout.task.heldout_size={HELDOUT}", f"--eval.heldout_prompts={HELDOUT}"]

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or MODES[mode]["steps"]
     corrections = args.corrections or DEFAULT_CORRECTIONS
     extra = [f"--learner.min_step_interval_s={args.step_interval}", *args.extra]
-    from rollout_fleet.warmstart import init_warm_model
+    from streamrl.warm_start import init_warm_model
 
     model = init_warm_model()
     args.work.mkdir(parents=True, exist_ok=True)

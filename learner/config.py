@@ -307,3 +307,67 @@ class LearnerConfig(Section):
     def updates_per_step(self) -> int:
         """Optimizer updates in one learner step (one batch of groups)."""
         return self.ppo_minibatches * self.ppo_epochs
+
+
+class SftConfig(Section):
+    """``streamrl sft``: supervised training of shared.model_path on a JSONL dataset, on the learner's model code
+    (sharded loading, FSDP2 over world_size ranks, checkpoints under RUN_DIR/checkpoints, resumed from the newest
+    one) and an HF export of the result at RUN_DIR/export/latest (docs/sft.md)."""
+
+    data: str | None = Field(
+        None,
+        description="JSONL file: lines of {prompt, completion} (loss on the completion and EOS) or {messages: "
+        "[{role, content, loss?}]} (chat template; loss on assistant turns unless a message's loss says otherwise).",
+    )
+    world_size: int = Field(1, ge=1, description="Training ranks (gloo on CPU, NCCL on GPU).")
+    max_steps: int = Field(100, ge=1, description="Optimizer steps to train.")
+    batch_size: int = Field(
+        8,
+        ge=1,
+        description="Examples per optimizer step, over all ranks (the data is walked in a seeded order).",
+    )
+    micro_batches: int = Field(
+        1, ge=1, description="Each rank's share of a step is cut into this many length-sorted, padded pieces."
+    )
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate (AdamW).")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up over this many steps.")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant",
+        description="After warm-up: constant, or cosine from lr to final_lr_ratio * lr at max_steps.",
+    )
+    final_lr_ratio: float = Field(
+        1.0, ge=0, le=1, description="cosine: the learning rate at max_steps over lr."
+    )
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.98), description="AdamW betas.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
+    max_seq_len: int | None = Field(
+        None,
+        ge=2,
+        description="Refuse a dataset line longer than this many tokens (None: the model's context).",
+    )
+    checkpoint_every: int = Field(50, ge=1, description="Steps between checkpoints (and one at the end).")
+    keep_checkpoints: int = Field(2, ge=1, description="How many complete checkpoints to keep.")
+    export_at_end: bool = Field(
+        True, description="Write RUN_DIR/export/latest, an HF directory of the result."
+    )
+    mixed_precision: MixedPrecision = Field(
+        "auto",
+        description="FSDP2 compute dtype: bf16, off (fp32), or auto (bf16 on a GPU with it, else off).",
+    )
+    activation_checkpointing: bool = Field(False, description="Recompute each decoder layer in backward.")
+    pg_timeout_s: float = Field(300.0, gt=0, description="Timeout of the ranks' collectives, seconds.")
+    grace_s: float = Field(
+        30.0, gt=0, description="SIGTERM grace of the ranks before they are killed, seconds."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the data order and of torch's RNG.")
+
+    @model_validator(mode="after")
+    def _check_equal_shares(self) -> SftConfig:
+        # every rank must run as many forward passes as the others (FSDP2's collectives pair them up)
+        if self.batch_size % (self.world_size * self.micro_batches):
+            raise ValueError(
+                f"sft.batch_size = {self.batch_size} is not a multiple of sft.world_size x sft.micro_batches = "
+                f"{self.world_size * self.micro_batches}: every rank needs as many equal pieces as the others"
+            )
+        return self

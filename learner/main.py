@@ -82,13 +82,12 @@ def run_rank(cfg: LearnerSections) -> int:
 FAILED_RANK_GRACE_S = 5.0
 
 
-def spawn_ranks(cfg: LearnerSections, rank_command: list[str]) -> int:
-    """Start ``world_size`` rank processes and supervise them: SIGTERM is forwarded, one failure stops all.
+def spawn_ranks(world: int, grace_s: float, rank_command: list[str]) -> int:
+    """Start ``world`` rank processes and supervise them: SIGTERM is forwarded, one failure stops all.
 
     Each rank is SIGKILLed when this launcher dies: a restarted launcher's ranks must never run beside the
     old ones (two learners consuming as one consumer, writing one checkpoint directory)."""
     port = free_port()
-    world = cfg.learner.world_size
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
@@ -111,7 +110,7 @@ def spawn_ranks(cfg: LearnerSections, rank_command: list[str]) -> int:
             rank, code = failed[0]
             log.error("learner rank %d exited with code %s: stopping the other ranks", rank, code)
             forward(signal.SIGTERM, None)
-            deadline = time.monotonic() + min(cfg.learner.grace_s, FAILED_RANK_GRACE_S)
+            deadline = time.monotonic() + min(grace_s, FAILED_RANK_GRACE_S)
             for p in procs:
                 try:
                     p.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -129,4 +128,4 @@ def run_learner(cfg: LearnerSections, rank_command: list[str]) -> int:
         return run_rank(cfg)
     if cfg.shared.model_path is None:
         raise ConfigError("shared.model_path is not set: the learner needs a Hugging Face model directory")
-    return spawn_ranks(cfg, rank_command)
+    return spawn_ranks(cfg.learner.world_size, cfg.learner.grace_s, rank_command)

@@ -3,16 +3,16 @@
 The untrained model writes garbage, so ``streamrl up --rollout.task.name=long_multiplication`` would measure
 nothing. This teaches the scratchpad format on the *shorter* instances only (reference at most
 ``max_example_tokens`` tokens, the cheap part on a CPU), with the same next-token cross-entropy as the
-arithmetic warm-start (:func:`rollout_fleet.warmstart.step_loss`: loss on the output tokens and EOS). The
+arithmetic warm-start (the supervised trainer, learner.sft: loss on the output tokens and EOS). The
 format carries its state line to line (docs/tasks.md), so a model that has learned it on short problems keeps
 writing it on long ones: the record measures how far, on held-out problems longer than any trained on.
 
 Training stops at the first check where the greedy format rate on ``val_size`` short validation prompts (from
 the held-out problem space, never trained on) reaches ``target_format``, or after ``max_steps``. The result is
 cached under ``cache_root()/models/tiny-qwen2-long-warm-<fingerprint>`` (model spec, recipe and task version),
-built once under a lock and renamed into place; ``warmstart.json`` inside holds the loss curve, the validation
-checks and the held-out length report (short and long problems). ``python -m rollout_fleet.warmstart --task
-long_multiplication`` builds it from a shell.
+built once under a lock and renamed into place by ``streamrl.warm_start``; ``warmstart.json`` inside holds the
+loss curve, the validation checks and the held-out length report (short and long problems). ``streamrl model
+init --task long_multiplication`` builds it from a shell.
 """
 
 from __future__ import annotations
@@ -21,36 +21,18 @@ import hashlib
 import json
 import math
 import statistics
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from common.supervised import Example
 from rollout_fleet.eval_stats import accuracy
 from rollout_fleet.evaluation import generate
-from rollout_fleet.model import (
-    LONG_CONTEXT_SPEC,
-    TinyModelSpec,
-    build_model,
-    build_tokenizer,
-    cache_root,
-)
+from rollout_fleet.model import TinyModelSpec, cache_root
 from rollout_fleet.tasks import TEST, Prompt
 from rollout_fleet.tasks.long_multiplication import LongMultiplicationTask
-from rollout_fleet.warmstart import (
-    SEED_STRIDE,
-    TrainLog,
-    _stderr,
-    build_once,
-    lr_at,
-    publish_model_dir,
-    step_loss,
-)
-
-Example = tuple[list[int], int]  # (prompt + output + EOS token ids, prompt length)
+from rollout_fleet.warmstart import SEED_STRIDE
 
 
 @dataclass(frozen=True)
@@ -61,7 +43,7 @@ class LongWarmStartRecipe:
     batch_size: int = 32
     lr: float = 2e-3
     warmup_steps: int = 20
-    final_lr_ratio: float = 1.0  # constant after warm-up (lr_at's cosine is available)
+    final_lr_ratio: float = 1.0  # constant after warm-up (the trainer's cosine schedule is available)
     max_example_tokens: int = 800  # train (and validate) only on problems whose reference is this short
     target_format: float = 0.8
     val_size: int = 32
@@ -130,8 +112,30 @@ def short_examples(
             continue
         prompt_ids = tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
         output_ids = tokenizer(task.reference_completion(prompt), add_special_tokens=False)["input_ids"]
-        examples.append((prompt_ids + output_ids + [tokenizer.eos_token_id], len(prompt_ids)))
+        examples.append(Example.prompt_and_output(prompt_ids, output_ids + [tokenizer.eos_token_id]))
     return examples, index
+
+
+class ShortDataset:
+    """The warm start's data: each step the next ``batch_size`` short train problems, from train index
+    ``seed * SEED_STRIDE`` on. Steps are read in order (where a step starts depends on the skips before it)."""
+
+    def __init__(self, task: LongMultiplicationTask, tokenizer: Any, recipe: LongWarmStartRecipe) -> None:
+        self.task, self.tokenizer, self.recipe = task, tokenizer, recipe
+        self.index = recipe.seed * SEED_STRIDE
+        self.next_step = 0
+
+    def __call__(self, step: int) -> list[Example]:
+        if step != self.next_step:
+            raise ValueError(
+                f"the long warm start's data is read step by step: asked for {step}, at {self.next_step}"
+            )
+        recipe = self.recipe
+        examples, self.index = short_examples(
+            self.task, self.tokenizer, self.index, recipe.batch_size, recipe.max_example_tokens
+        )
+        self.next_step += 1
+        return examples
 
 
 def pick_prompts(
@@ -183,45 +187,28 @@ def validation_format(
     )
 
 
-def train_long(
-    model: Any,
-    tokenizer: Any,
-    recipe: LongWarmStartRecipe,
-    task: LongMultiplicationTask,
-    progress: Callable[[str], None] | None = None,
-) -> TrainLog:
-    """Train in place on short train problems until the validation format target or ``max_steps``."""
-    short = recipe.max_example_tokens
-    val = pick_prompts(task, task.validation_prompt, recipe.val_size, lambda n: n <= short)
-    torch.manual_seed(recipe.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98), weight_decay=0.0)
-    log = TrainLog(losses=[], validation=[], steps=0, reached_target=False)
-    started, index = time.monotonic(), recipe.seed * SEED_STRIDE
-    for step in range(recipe.max_steps):
-        model.train()
-        examples, index = short_examples(task, tokenizer, index, recipe.batch_size, short)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, recipe)  # reads lr, warmup_steps, max_steps, final_lr_ratio
-        optimizer.zero_grad(set_to_none=True)
-        loss = step_loss(model, examples, tokenizer.pad_token_id, recipe.micro_batches)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        log.losses.append(round(float(loss), 5))
-        log.steps = step + 1
-        line = f"long warm-start step {log.steps}/{recipe.max_steps} loss {log.losses[-1]:.4f}"
-        checked = log.steps >= recipe.min_steps and log.steps % recipe.eval_every == 0
-        if checked:
-            model.eval()
-            rate = validation_format(model, tokenizer, task, val)
-            log.validation.append((log.steps, rate))
-            log.reached_target = rate >= recipe.target_format
-            line += f" validation format {rate:.2f} (target {recipe.target_format})"
-        if progress and (checked or log.steps % 25 == 0 or log.steps == recipe.max_steps):
-            progress(f"{line} ({time.monotonic() - started:.1f} s)")
-        if log.reached_target:
-            break
-    model.eval()
-    return log
+class FormatStop:
+    """The recipe's stopping rule, called after each step: greedy format rate on short validation prompts every
+    ``eval_every`` steps from ``min_steps``; stop at ``target_format``."""
+
+    def __init__(
+        self, model: Any, tokenizer: Any, task: LongMultiplicationTask, recipe: LongWarmStartRecipe
+    ) -> None:
+        self.model, self.tokenizer, self.task, self.recipe = model, tokenizer, task, recipe
+        short = recipe.max_example_tokens
+        self.prompts = pick_prompts(task, task.validation_prompt, recipe.val_size, lambda n: n <= short)
+        self.validation: list[tuple[int, float]] = []
+        self.reached_target = False
+
+    def __call__(self, steps: int) -> tuple[str, bool] | None:
+        recipe = self.recipe
+        if steps < recipe.min_steps or steps % recipe.eval_every:
+            return None
+        self.model.eval()
+        rate = validation_format(self.model, self.tokenizer, self.task, self.prompts)
+        self.validation.append((steps, rate))
+        self.reached_target = rate >= recipe.target_format
+        return f" validation format {rate:.2f} (target {recipe.target_format})", self.reached_target
 
 
 def heldout_report(
@@ -251,67 +238,3 @@ def _long_test_prompts(task: LongMultiplicationTask, recipe: LongWarmStartRecipe
         if recipe.max_example_tokens < reference_tokens(task, p) <= recipe.eval_max_new_tokens
     ]
     return fits[: recipe.eval_long]
-
-
-def init_long_warm_model(
-    path: str | Path | None = None,
-    steps: int | None = None,
-    seed: int | None = None,
-    target: float | None = None,
-    spec: TinyModelSpec | None = None,
-    recipe: LongWarmStartRecipe | None = None,
-    progress: Callable[[str], None] | None = _stderr,
-) -> Path:
-    """The warm-started long-context model directory, built (and evaluated) unless a matching one is there.
-
-    ``steps`` (the cap on training steps), ``seed`` and ``target`` (the validation format rate to stop at)
-    override ``recipe`` (default :class:`LongWarmStartRecipe`) when given. Concurrent callers for one path
-    wait on a lock file instead of training twice.
-    """
-    spec = spec or LONG_CONTEXT_SPEC
-    recipe = recipe or LongWarmStartRecipe()
-    recipe = replace(
-        recipe,
-        max_steps=recipe.max_steps if steps is None else steps,
-        target_format=recipe.target_format if target is None else target,
-        seed=recipe.seed if seed is None else seed,
-    ).check()
-    key = fingerprint(spec, recipe)
-    path = Path(path) if path else default_path(spec, recipe)
-    return build_once(path, key, lambda: _build(path, spec, recipe, key, progress))
-
-
-def _build(
-    path: Path,
-    spec: TinyModelSpec,
-    recipe: LongWarmStartRecipe,
-    key: str,
-    progress: Callable[[str], None] | None,
-) -> None:
-    started, cpu_started = time.monotonic(), time.process_time()
-    tokenizer = build_tokenizer()
-    model = build_model(spec, tokenizer)
-    task = LongMultiplicationTask()
-    log = train_long(model, tokenizer, recipe, task, progress)
-    train_s = time.monotonic() - started
-    report = heldout_report(model, tokenizer, task, recipe)
-    if progress:
-        progress(
-            f"long warm-start stopped at step {log.steps} (target reached: {log.reached_target}); {report}"
-        )
-    record = {
-        "fingerprint": key,
-        "model_spec": asdict(spec),
-        "recipe": asdict(recipe),
-        "task": {"name": task.name, "version": task.version, "seed": task.seed},
-        "steps": log.steps,
-        "reached_target": log.reached_target,
-        "validation": log.validation,
-        "losses": log.losses,
-        "heldout": report,
-        "train_seconds": round(train_s, 2),
-        "total_seconds": round(time.monotonic() - started, 2),
-        "cpu_seconds": round(time.process_time() - cpu_started, 2),
-        "torch_threads": torch.get_num_threads(),
-    }
-    publish_model_dir(model, tokenizer, path, record)

@@ -11,20 +11,18 @@ those directly, and wrongly: RL, rewarded on the answer alone, has the tool-call
 
 Evaluation runs whole episodes in process through the same episode runner as the worker
 (``rollout_fleet.envs.episode.run_episode``), the turns of all prompts batched into one forward pass per token.
-The model is cached under ``cache_root()/models/tiny-qwen2-tool-<fingerprint>`` like the arithmetic warm start;
-``python -m rollout_fleet.tool_warmstart --help`` builds it from a shell.
+This module holds what is the task's (recipe, dataset, stopping rule, evaluation, fingerprint); the build
+(``streamrl.warm_start``) trains it with the supervised trainer (learner.sft) and caches the model under
+``cache_root()/models/tiny-qwen2-tool-<fingerprint>`` like the arithmetic warm start.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import json
 import math
 import random
-import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,14 +30,14 @@ from typing import Any
 
 import torch
 
+from common.supervised import Example
 from rollout_fleet.envs.episode import Episode, EpisodeBudgets, TurnOutput, run_episode
 from rollout_fleet.envs.tools import tool_observation
 from rollout_fleet.eval_stats import solved
 from rollout_fleet.evaluation import generate_ids
-from rollout_fleet.model import TinyModelSpec, build_model, build_tokenizer, cache_root
+from rollout_fleet.model import TinyModelSpec, cache_root
 from rollout_fleet.tasks import TEST, Prompt
 from rollout_fleet.tasks.tool_arithmetic import ToolArithmeticTask
-from rollout_fleet.warmstart import MARKER, build_once, publish_model_dir
 
 EVAL_MAX_TURNS = 4  # a reference episode has two turns; four leave room for a repeated call
 EVAL_MAX_TOKENS = 64  # the longest reference episode's model tokens are under 40
@@ -103,10 +101,8 @@ def default_path(spec: TinyModelSpec, recipe: ToolWarmStartRecipe) -> Path:
     return cache_root() / "models" / f"tiny-qwen2-tool-{fingerprint(spec, recipe)}"
 
 
-def episode_example(
-    task: ToolArithmeticTask, tokenizer: Any, prompt: Prompt, use_tool: bool
-) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask) of one reference episode: prompt (mask 0), then each model turn (mask 1) and,
+def episode_example(task: ToolArithmeticTask, tokenizer: Any, prompt: Prompt, use_tool: bool) -> Example:
+    """The token ids and loss mask of one reference episode: prompt (mask 0), then each model turn (mask 1) and,
     between turns, the tool's observation as the environment renders it (mask 0)."""
 
     def encode(text: str) -> list[int]:
@@ -122,12 +118,12 @@ def episode_example(
             ids, mask = ids + observation, mask + [0] * len(observation)
         out = encode(turn)
         ids, mask = ids + out, mask + [1] * len(out)
-    return ids, mask
+    return Example(ids, mask)
 
 
 def training_examples(
     task: ToolArithmeticTask, tokenizer: Any, recipe: ToolWarmStartRecipe, step: int
-) -> list[tuple[list[int], list[int]]]:
+) -> list[Example]:
     """The step's batch of train-split reference episodes (a pure function of the recipe and the step)."""
     rng = random.Random(f"tool-warmstart:{recipe.seed}:{step}")
     base = (recipe.seed * 1_000_003 + step * recipe.batch_size) % task.num_prompts()
@@ -139,38 +135,11 @@ def training_examples(
     return examples
 
 
-def masked_step_loss(
-    model: Any, examples: list[tuple[list[int], list[int]]], pad_id: int, micro_batches: int
-) -> torch.Tensor:
-    """Mean cross-entropy over every mask-1 token of the step, backpropagated micro-batch by micro-batch
-    (examples sorted by length so padding stays small). Returns the loss, detached."""
-    ordered = sorted(examples, key=lambda e: len(e[0]))
-    n_targets = sum(sum(mask) for _, mask in examples)
-    size = math.ceil(len(ordered) / micro_batches)
-    total = torch.zeros(())
-    for start in range(0, len(ordered), size):
-        chunk = ordered[start : start + size]
-        width = max(len(ids) for ids, _ in chunk)
-        input_ids = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in chunk])  # (B, L)
-        labels = torch.tensor(
-            [
-                [t if m else -100 for t, m in zip(ids, mask, strict=True)] + [-100] * (width - len(ids))
-                for ids, mask in chunk
-            ]
-        )  # (B, L)
-        logits = model(input_ids=input_ids).logits[:, :-1]  # (B, L-1, V)
-        loss = (
-            torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]).float(),
-                labels[:, 1:].reshape(-1),
-                ignore_index=-100,
-                reduction="sum",
-            )
-            / n_targets
-        )
-        loss.backward()
-        total += loss.detach()
-    return total
+def dataset(
+    task: ToolArithmeticTask, tokenizer: Any, recipe: ToolWarmStartRecipe
+) -> Callable[[int], list[Example]]:
+    """The warm start's data, step by step (:func:`training_examples`)."""
+    return lambda step: training_examples(task, tokenizer, recipe, step)
 
 
 class _TurnBatcher:
@@ -310,144 +279,36 @@ def evaluate_episodes(
         model.train(was_training)
 
 
-def lr_at(step: int, recipe: ToolWarmStartRecipe) -> float:
-    """Linear warm-up over ``warmup_steps``, then constant."""
-    return recipe.lr * min(1.0, (step + 1) / max(recipe.warmup_steps, 1))
+class ToolValidationStop:
+    """The recipe's stopping rule, called after each step: every ``eval_every`` steps from ``min_steps``, greedy
+    and sampled validation episodes; stop once the format and tool-accuracy targets are both met."""
 
+    def __init__(
+        self, model: Any, tokenizer: Any, task: ToolArithmeticTask, recipe: ToolWarmStartRecipe
+    ) -> None:
+        self.model, self.tokenizer, self.task, self.recipe = model, tokenizer, task, recipe
+        self.prompts = [task.validation_prompt(i) for i in range(recipe.val_size)]
+        self.validation: list[dict[str, Any]] = []
+        self.reached_target = False
 
-def train(
-    model: Any,
-    tokenizer: Any,
-    task: ToolArithmeticTask,
-    recipe: ToolWarmStartRecipe,
-    progress: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """Train in place; returns the loss curve, the validation checks and the step count."""
-    val = [task.validation_prompt(i) for i in range(recipe.val_size)]
-    torch.manual_seed(recipe.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98), weight_decay=0.0)
-    losses: list[float] = []
-    checks: list[dict[str, Any]] = []
-    reached, start = False, time.monotonic()
-    for step in range(recipe.max_steps):
-        model.train()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, recipe)
-        optimizer.zero_grad(set_to_none=True)
-        examples = training_examples(task, tokenizer, recipe, step)
-        loss = masked_step_loss(model, examples, tokenizer.pad_token_id, recipe.micro_batches)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(round(float(loss), 5))
-        line = f"tool warm-start step {step + 1}/{recipe.max_steps} loss {losses[-1]:.4f}"
-        if step + 1 >= recipe.min_steps and (step + 1) % recipe.eval_every == 0:
-            metrics = evaluate_episodes(model, tokenizer, task, val, seed=recipe.seed)
-            greedy, sampled = metrics["greedy"], metrics["sampled"]
-            checks.append({"step": step + 1, **{f"greedy_{k}": v for k, v in greedy.items()}})
-            checks[-1].update({f"sampled_{k}": v for k, v in sampled.items()})
-            reached = (
-                greedy["format_rate"] >= recipe.target_format
-                and sampled["tool_accuracy"] >= recipe.target_tool_accuracy
-            )
-            line += (
-                f" validation: format {greedy['format_rate']:.2f}, tool calls (sampled, needs_tool) "
-                f"{sampled['tool_call_rate_needs_tool']:.2f}, tool accuracy {sampled['tool_accuracy']:.2f}"
-            )
-            if progress:
-                progress(f"{line} ({time.monotonic() - start:.1f} s)")
-            if reached:
-                return {"losses": losses, "validation": checks, "steps": step + 1, "reached_target": True}
-        elif progress and (step + 1) % 50 == 0:
-            progress(f"{line} ({time.monotonic() - start:.1f} s)")
-    return {"losses": losses, "validation": checks, "steps": recipe.max_steps, "reached_target": reached}
+    def __call__(self, steps: int) -> tuple[str, bool] | None:
+        recipe = self.recipe
+        if steps < recipe.min_steps or steps % recipe.eval_every:
+            return None
+        metrics = evaluate_episodes(self.model, self.tokenizer, self.task, self.prompts, seed=recipe.seed)
+        greedy, sampled = metrics["greedy"], metrics["sampled"]
+        self.validation.append({"step": steps, **{f"greedy_{k}": v for k, v in greedy.items()}})
+        self.validation[-1].update({f"sampled_{k}": v for k, v in sampled.items()})
+        self.reached_target = (
+            greedy["format_rate"] >= recipe.target_format
+            and sampled["tool_accuracy"] >= recipe.target_tool_accuracy
+        )
+        text = (
+            f" validation: format {greedy['format_rate']:.2f}, tool calls (sampled, needs_tool) "
+            f"{sampled['tool_call_rate_needs_tool']:.2f}, tool accuracy {sampled['tool_accuracy']:.2f}"
+        )
+        return text, self.reached_target
 
 
 def heldout_prompts(task: ToolArithmeticTask) -> list[Prompt]:
     return [task.make_prompt(i, TEST) for i in range(task.num_prompts(TEST))]
-
-
-def _build(
-    path: Path,
-    spec: TinyModelSpec,
-    recipe: ToolWarmStartRecipe,
-    key: str,
-    progress: Callable[[str], None] | None,
-) -> None:
-    started = time.monotonic()
-    tokenizer = build_tokenizer()
-    model = build_model(spec, tokenizer)
-    task = ToolArithmeticTask(tokenizer=tokenizer)
-    log = train(model, tokenizer, task, recipe, progress)
-    after = evaluate_episodes(model, tokenizer, task, heldout_prompts(task))
-    if progress:
-        g, s = after["greedy"], after["sampled"]
-        progress(
-            f"tool warm-start stopped at step {log['steps']} (target reached: {log['reached_target']}); held-out "
-            f"greedy accuracy {g['accuracy']:.3f} (needs_tool {g['accuracy_needs_tool']:.3f}), sampled tool-call "
-            f"rate on needs_tool {s['tool_call_rate_needs_tool']:.3f}"
-        )
-    record = {
-        "fingerprint": key,
-        "model_spec": asdict(spec),
-        "recipe": asdict(recipe),
-        "task": {"name": task.name, "version": task.version, "seed": task.seed},
-        **log,
-        "eval_after": after,
-        "total_seconds": round(time.monotonic() - started, 2),
-        "torch_threads": torch.get_num_threads(),
-    }
-    publish_model_dir(model, tokenizer, path, record)
-
-
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def init_tool_warm_model(
-    path: str | Path | None = None,
-    recipe: ToolWarmStartRecipe | None = None,
-    spec: TinyModelSpec | None = None,
-    progress: Callable[[str], None] | None = _stderr,
-) -> Path:
-    """The tool warm-started model directory, built unless a matching one is there (concurrent callers wait on
-    a lock; the directory appears atomically, with ``warmstart.json`` inside)."""
-    spec = spec or TinyModelSpec()
-    recipe = (recipe or ToolWarmStartRecipe()).check()
-    key = fingerprint(spec, recipe)
-    path = Path(path) if path else default_path(spec, recipe)
-    return build_once(path, key, lambda: _build(path, spec, recipe, key, progress))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m rollout_fleet.tool_warmstart``: build the tool warm start and print its path and accuracy."""
-    parser = argparse.ArgumentParser(
-        prog="python -m rollout_fleet.tool_warmstart",
-        description="Supervised warm start of the tiny Qwen2 model on tool_arithmetic: the calculator's call "
-        "format, used on a minority of the problems that need it (cached: a second run returns the same "
-        "directory at once).",
-    )
-    defaults = ToolWarmStartRecipe()
-    parser.add_argument("--out", type=Path, default=None, help="model directory (default: under the cache)")
-    parser.add_argument("--steps", type=int, default=defaults.max_steps, help="cap on optimizer steps")
-    parser.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
-    parser.add_argument(
-        "--tool-share",
-        type=float,
-        default=defaults.tool_share,
-        help=f"share of needs-tool training episodes that call the tool (default {defaults.tool_share})",
-    )
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    try:
-        recipe = ToolWarmStartRecipe(max_steps=args.steps, seed=args.seed, tool_share=args.tool_share).check()
-    except ValueError as e:
-        parser.error(str(e))
-    path = init_tool_warm_model(args.out, recipe)
-    record = json.loads((path / MARKER).read_text())
-    print(json.dumps({"path": str(path), "steps": record["steps"], "eval_after": record["eval_after"]}))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

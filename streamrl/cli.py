@@ -46,6 +46,8 @@ class Command:
 METRICS_FIELDS = ("dashboard.metrics_host", "dashboard.metrics_base_port")
 # The ports streamrl.up.promised_ports gives the run's servers: `streamrl redis` starts first and avoids them.
 PROMISED_PORT_FIELDS = ("rollout.engine_urls", "rollout.sglang_router_port", "dashboard.port")
+# What `up` and `plan` read: every section but streamrl sft's, which is a run of its own.
+RUN_SECTIONS = tuple(name for name in StreamRLConfig.model_fields if name != "sft")
 LORA_NAMING_FIELDS = ("learner.lora.rank", "weight_sync.lora_sync", "weight_sync.lora_name")
 
 
@@ -98,6 +100,14 @@ def _run_learner(config: StreamRLConfig) -> int:
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 serves the learner's metrics
         return run_learner(role, ranks)
     return _with_prometheus(config, "learner", 0, lambda: run_learner(role, ranks))
+
+
+def _run_sft(config: StreamRLConfig) -> int:
+    from learner.sft import run_sft
+
+    # Each rank runs this same entry path with the resolved config main() wrote, and its RANK set.
+    ranks = [sys.executable, "-m", "streamrl", "sft", "--config", str(resolved_config_path(config, "sft"))]
+    return run_sft(config.shared, config.sft, ranks)
 
 
 def _run_rollout(config: StreamRLConfig) -> int:
@@ -194,6 +204,11 @@ COMMANDS: dict[str, Command] = {
         _run_learner,
         METRICS_FIELDS,
     ),
+    "sft": Command(
+        "supervised training of shared.model_path on a JSONL dataset (FSDP2, checkpoints, HF export)",
+        ("shared", "sft"),
+        _run_sft,
+    ),
     "eval": Command(
         "evaluate held-out accuracy through the engines as training goes",
         ("shared", "broker", "rollout", "eval"),
@@ -214,12 +229,12 @@ COMMANDS: dict[str, Command] = {
     "dashboard": Command("serve the live dashboard", ("shared", "dashboard", "broker"), _run_dashboard),
     "up": Command(
         "start every role under one supervisor: on this node, or on a Ray cluster (up.launcher)",
-        tuple(StreamRLConfig.model_fields),
+        RUN_SECTIONS,
         _run_up,
     ),
     "plan": Command(
         "print the device plan and weight transport `up` would start with, and exit (2 if it does not fit)",
-        tuple(StreamRLConfig.model_fields),
+        RUN_SECTIONS,
         _run_plan,
     ),
 }
@@ -246,10 +261,10 @@ def _resume_args(name: str, args: list[str]) -> list[str]:
 
 def _model_command(args: list[str]) -> int:
     """``streamrl model init [--out DIR --steps N --seed S ...]``: build (or find cached) the warm-started tiny
-    model; the options are rollout_fleet.warmstart's (``streamrl model init --help``)."""
+    model through the supervised trainer; the options are streamrl.warm_start's (``streamrl model init --help``)."""
     if not args or args[0] != "init":
         print(
-            "usage: streamrl model init [--out DIR] [--steps N] [--seed S] [--help]\n"
+            "usage: streamrl model init [--task TASK] [--out DIR] [--steps N] [--seed S] [--help]\n"
             "       streamrl model init --shape qwen2.5-0.5b [--out DIR]",
             file=sys.stderr,
         )
@@ -258,9 +273,9 @@ def _model_command(args: list[str]) -> int:
         from rollout_fleet.shapes import main as shapes_main
 
         return shapes_main(args[1:])
-    from rollout_fleet.warmstart import main as warmstart_main
+    from streamrl.warm_start import main as warm_start_main
 
-    return warmstart_main(args[1:])
+    return warm_start_main(args[1:])
 
 
 def _usage() -> str:
@@ -313,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"streamrl {name}: {exc}", file=sys.stderr)
         return 2
-    if name != "learner":  # each learner rank sets up its own logging, with its rank in the format
+    if name not in (
+        "learner",
+        "sft",
+    ):  # each learner rank sets up its own logging, with its rank in the format
         logging.basicConfig(
             level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s"
         )

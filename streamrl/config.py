@@ -13,7 +13,7 @@ from broker.config import BrokerConfig, RedisServerConfig
 from common.config import SharedConfig
 from common.configlib import Section, load_config
 from common.versioning import admission_capacity
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, SftConfig
 from rollout_fleet.config import EngineConfig, RolloutConfig
 from rollout_fleet.evaluator import EvalConfig
 from weight_sync.config import WeightSyncConfig
@@ -173,6 +173,9 @@ class StreamRLConfig(Section):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Inference engines.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout workers.")
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The FSDP2 learner.")
+    sft: SftConfig = Field(
+        default_factory=SftConfig, description="Supervised training on a JSONL dataset (streamrl sft)."
+    )
     weight_sync: WeightSyncConfig = Field(
         default_factory=WeightSyncConfig, description="Learner-to-engine sync."
     )

@@ -126,7 +126,7 @@ def resolve(config: StreamRLConfig) -> StreamRLConfig:
     the engine URLs every role uses. Returns the resolved config."""
     cfg = config.model_copy(deep=True)
     if cfg.shared.model_path is None:
-        from rollout_fleet.warmstart import warm_model_for_task
+        from streamrl.warm_start import warm_model_for_task
 
         print("streamrl up: preparing the warm-started tiny model (cached after the first run)", flush=True)
         cfg.shared.model_path = warm_model_for_task(cfg.rollout.task.name)

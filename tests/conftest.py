@@ -71,11 +71,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     """When a selected test needs the warm-started model, its build (about 120 CPU seconds at one thread on a fresh
     machine, cached after) starts now in a background process; the up runs that need no such model go first, so
-    the build overlaps them. Concurrent builders of the model wait on its lock file (warmstart.build_once), so the
+    the build overlaps them. Concurrent builders of the model wait on its lock file (streamrl.warm_start.build_once), so the
     `warm_model` fixture gets the finished one."""
     warm = any("warm_model" in getattr(item, "fixturenames", ()) for item in session.items)
     if warm and not session.config.getoption("collectonly"):
-        build = "from rollout_fleet.warmstart import init_warm_model; init_warm_model(progress=None)"
+        build = "from streamrl.warm_start import init_warm_model; init_warm_model(progress=None)"
         WARM_MODEL_PREFETCH.append(subprocess.Popen(
             [sys.executable, "-c", build], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
@@ -144,6 +144,6 @@ def own_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
 def warm_model() -> Path:
     """The warm-started tiny model that `streamrl up` serves by default (built once per machine, cached): the
     one the learning bounds were measured with."""
-    from rollout_fleet.warmstart import init_warm_model
+    from streamrl.warm_start import init_warm_model
 
     return init_warm_model()  # the background build's, once it is done (pytest_collection_modifyitems)

@@ -177,7 +177,7 @@ def test_every_process_of_up_sees_its_planned_gpus(
     import signal
 
     from benchmarks.crash_cost import learner_step
-    from rollout_fleet.warmstart import init_warm_model
+    from streamrl.warm_start import init_warm_model
     from tests.procs import check_run_environments
     from tests.test_up import metrics_base_port, up
 

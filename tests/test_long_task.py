@@ -33,7 +33,6 @@ from rollout_fleet.evaluation import load_model
 from rollout_fleet.long_warmstart import (
     LongWarmStartRecipe,
     _long_test_prompts,
-    init_long_warm_model,
     length_report,
     reference_tokens,
     short_examples,
@@ -52,7 +51,8 @@ from rollout_fleet.tasks.long_multiplication import (
     scratchpad,
 )
 from rollout_fleet.warmstart import MARKER
-from rollout_fleet.warmstart import main as warmstart_main
+from streamrl.warm_start import init_long_warm_model
+from streamrl.warm_start import main as warmstart_main
 from tests.test_rollout_worker import configs, read_records, reference_logprobs, run_worker, serving
 
 # 12 * 34 worked by hand. Line 0 (multiplier digit 4): 2*4 = 8, 1*4 = 4, the flush step 0*4 = 0, each added to a
@@ -260,7 +260,7 @@ def test_warm_start_trains_on_short_problems_only() -> None:
     task, tokenizer = LongMultiplicationTask(), build_tokenizer()
     examples, next_index = short_examples(task, tokenizer, 0, 50, max_tokens=150)
     assert len(examples) == 50 and next_index > 50  # longer problems were skipped, not truncated
-    for ids, n_prompt in examples:
+    for ids, n_prompt in ((e.ids, e.mask.index(1)) for e in examples):
         assert len(ids) - n_prompt <= 150 and ids[-1] == tokenizer.eos_token_id
         prompt, output = tokenizer.decode(ids[:n_prompt]), tokenizer.decode(ids[n_prompt:-1])
         a, b = (int(x) for x in prompt.rstrip("=").split("*"))

@@ -30,7 +30,7 @@ def test_requests_name_the_published_versions_adapter() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_up_trains_lora_served_by_adapter_name(tmp_path: Path) -> None:
-    from rollout_fleet.warmstart import init_warm_model
+    from streamrl.warm_start import init_warm_model
 
     run = tmp_path / "run"
     proc = up(

@@ -9,6 +9,8 @@ import json
 import pytest
 import torch
 
+from common.supervised import Example
+from learner.sft import masked_step_loss
 from rollout_fleet.envs.episode import Episode
 from rollout_fleet.envs.tools import tool_observation
 from rollout_fleet.evaluation import generate_ids
@@ -18,12 +20,11 @@ from rollout_fleet.tool_warmstart import (
     ToolWarmStartRecipe,
     episode_example,
     episode_metrics,
-    init_tool_warm_model,
-    masked_step_loss,
     run_episodes,
     training_examples,
 )
 from rollout_fleet.warmstart import MARKER
+from streamrl.warm_start import init_tool_warm_model
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,8 @@ def needs_tool_prompt(task: ToolArithmeticTask, needs: bool = True):
 def test_a_tool_episode_example_masks_the_prompt_and_the_observation(task, tokenizer) -> None:
     prompt = needs_tool_prompt(task)
     a, b = prompt.metadata["a"], prompt.metadata["b"]
-    ids, mask = episode_example(task, tokenizer, prompt, use_tool=True)
+    example = episode_example(task, tokenizer, prompt, use_tool=True)
+    ids, mask = example.ids, example.mask
     call, answer = f"<calc>{a}*{b}</calc><|im_end|>", f"#{a * b}<|im_end|>"
     observation = tool_observation(tokenizer, str(a * b))
     assert tokenizer.decode(ids, skip_special_tokens=False) == prompt.text + call + observation + answer
@@ -54,7 +56,8 @@ def test_a_tool_episode_example_masks_the_prompt_and_the_observation(task, token
 
 def test_a_direct_example_is_one_trained_turn(task, tokenizer) -> None:
     prompt = needs_tool_prompt(task, needs=False)
-    ids, mask = episode_example(task, tokenizer, prompt, use_tool=False)
+    example = episode_example(task, tokenizer, prompt, use_tool=False)
+    ids, mask = example.ids, example.mask
     n_prompt = len(tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
     assert mask == [0] * n_prompt + [1] * (len(ids) - n_prompt)
     assert tokenizer.decode(ids[n_prompt:], skip_special_tokens=False) == f"#{prompt.answer}<|im_end|>"
@@ -63,7 +66,7 @@ def test_a_direct_example_is_one_trained_turn(task, tokenizer) -> None:
 def test_tool_share_sets_how_many_needs_tool_references_call_the_tool(task, tokenizer) -> None:
     def calls(share: float) -> tuple[int, int]:
         recipe = ToolWarmStartRecipe(batch_size=400, tool_share=share)
-        texts = [tokenizer.decode(ids) for ids, _ in training_examples(task, tokenizer, recipe, 0)]
+        texts = [tokenizer.decode(e.ids) for e in training_examples(task, tokenizer, recipe, 0)]
         return sum("<calc>" in t for t in texts), len(texts)
 
     assert calls(0.0)[0] == 0
@@ -75,11 +78,11 @@ def test_tool_share_sets_how_many_needs_tool_references_call_the_tool(task, toke
 
 def test_the_masked_loss_is_cross_entropy_over_mask_one_tokens_only(tokenizer) -> None:
     model = build_model(TinyModelSpec(), tokenizer)
-    examples = [([5, 6, 7, 8, 9], [0, 0, 1, 0, 1]), ([10, 11, 12], [0, 1, 1])]
+    examples = [Example([5, 6, 7, 8, 9], [0, 0, 1, 0, 1]), Example([10, 11, 12], [0, 1, 1])]
     loss = masked_step_loss(model, examples, tokenizer.pad_token_id, micro_batches=2)
     by_hand = []
     with torch.no_grad():
-        for ids, mask in examples:
+        for ids, mask in ((e.ids, e.mask) for e in examples):
             logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)  # (L, V)
             by_hand += [-logp[t - 1, ids[t]] for t in range(1, len(ids)) if mask[t]]
     assert float(loss) == pytest.approx(float(torch.stack(by_hand).mean()), rel=1e-5)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from rollout_fleet.tool_warmstart import ToolWarmStartRecipe, init_tool_warm_model
+from rollout_fleet.tool_warmstart import ToolWarmStartRecipe
+from streamrl.warm_start import init_tool_warm_model
 
 pytestmark = pytest.mark.timeout(600)
 STEPS = 4
@@ -64,17 +65,18 @@ def test_up_runs_the_multi_turn_task_like_any_other(tmp_path: Path, tool_model: 
 
 
 def test_up_without_a_model_serves_the_tool_warm_start_for_the_tool_task() -> None:
-    from rollout_fleet import tool_warmstart, warmstart
+    from rollout_fleet import tool_warmstart
     from rollout_fleet.model import TinyModelSpec
+    from streamrl import warm_start
 
     expected = tool_warmstart.default_path(TinyModelSpec(), ToolWarmStartRecipe())
     calls: list[str] = []
-    original = tool_warmstart.init_tool_warm_model
+    original = warm_start.init_tool_warm_model
     try:  # the dispatch only: building the full warm start takes minutes (benchmarks/agentic.py does)
-        tool_warmstart.init_tool_warm_model = lambda: calls.append("tool") or expected  # type: ignore[assignment]
-        assert warmstart.warm_model_for_task("tool_arithmetic") == expected and calls == ["tool"]
+        warm_start.init_tool_warm_model = lambda: calls.append("tool") or expected  # type: ignore[assignment]
+        assert warm_start.warm_model_for_task("tool_arithmetic") == expected and calls == ["tool"]
     finally:
-        tool_warmstart.init_tool_warm_model = original
+        warm_start.init_tool_warm_model = original
 
 
 def test_the_status_line_shows_episodes_only_for_a_multi_turn_run() -> None:

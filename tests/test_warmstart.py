@@ -10,20 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from learner.sft import masked_step_loss, padded_batch
 from rollout_fleet.evaluation import evaluate, generate, load_model
 from rollout_fleet.model import TinyModelSpec, build_model, build_tokenizer
 from rollout_fleet.tasks.arithmetic import ArithmeticTask
-from rollout_fleet.warmstart import (
-    MARKER,
-    PINNED_NUMERICS,
-    fingerprint,
-    init_warm_model,
-    main,
-    make_batch,
-    make_examples,
-    make_recipe,
-    step_loss,
-)
+from rollout_fleet.warmstart import MARKER, PINNED_NUMERICS, fingerprint, make_examples, make_recipe
+from streamrl.warm_start import init_warm_model, main
 
 SMALL_STEPS = 50
 
@@ -43,11 +35,13 @@ def test_batches_put_loss_on_output_tokens_only() -> None:
     tokenizer, task = build_tokenizer(), ArithmeticTask()
     examples = make_examples(task, tokenizer, [0, 1])
     prompt = task.make_prompt(1)
-    ids, n_prompt = examples[1]
+    ids, n_prompt = examples[1].ids, examples[1].mask.index(1)
+    assert examples[1].mask == [0] * n_prompt + [1] * (len(ids) - n_prompt)
     assert tokenizer.decode(ids[:n_prompt]) == prompt.text
     assert tokenizer.decode(ids[n_prompt:]) == task.reference_completion(prompt) + tokenizer.eos_token
-    input_ids, labels = make_batch(examples, tokenizer.pad_token_id)
-    for row, (ids, n_prompt) in enumerate(examples):
+    input_ids, labels = padded_batch(examples, tokenizer.pad_token_id)
+    for row, example in enumerate(examples):
+        ids, n_prompt = example.ids, example.mask.index(1)
         assert labels[row, :n_prompt].eq(-100).all() and labels[row, len(ids) :].eq(-100).all()
         assert (
             labels[row, n_prompt : len(ids)].tolist()
@@ -59,7 +53,7 @@ def test_batches_put_loss_on_output_tokens_only() -> None:
     reference = model(input_ids=input_ids, labels=labels).loss
     for micro in (1, 2):
         model.zero_grad()
-        assert step_loss(model, examples, tokenizer.pad_token_id, micro).item() == pytest.approx(
+        assert masked_step_loss(model, examples, tokenizer.pad_token_id, micro).item() == pytest.approx(
             reference.item(), rel=1e-5
         )
 

@@ -177,7 +177,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     if streamrl_steps < steps:
         raise SystemExit(f"--streamrl-steps {streamrl_steps} must be at least --steps {steps}")
     seeds = args.seeds or (1 if args.quick else 5)
-    from rollout_fleet.warmstart import init_warm_model
+    from streamrl.warm_start import init_warm_model
 
     model_dir = Path(init_warm_model())
     per_seed: dict[str, list[list[dict[str, float]]]] = {}

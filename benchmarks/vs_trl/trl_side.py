@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: the warm model)")
     parser.add_argument("--out", type=Path, required=True, help="where to write the curve JSON")
     args = parser.parse_args(argv)
-    from rollout_fleet.warmstart import init_warm_model
+    from streamrl.warm_start import init_warm_model
 
     model_dir = args.model or init_warm_model()
     recipe = GRPORecipe(
