@@ -4,8 +4,8 @@ record per group to the stream.
 One asyncio loop (uvloop in production) keeps up to ``rollout.max_concurrent_groups`` groups in flight. The shell
 does what every workflow shares:
 
-- leases from the dispatch (admission, the staleness bound, is applied by its lease script; see
-  :mod:`rollout_fleet.dispatch`), renews them (heartbeats), and cancels a group whose lease was taken over;
+- leases from the dispatch (admission, the staleness bound, is applied by the lease script of
+  :mod:`broker.admission`; the rollout-side policy is :mod:`rollout_fleet.dispatch`), renews them (heartbeats), and cancels a group whose lease was taken over;
 - keeps the published policy version cached (:class:`VersionCache`) and the engines' health checked;
 - sends each finished group through the idempotent producer, then marks its prompt done;
 - writes the metrics (:class:`~rollout_fleet.workflows.stats.WorkerStats`, rates) to the metrics stream.
@@ -34,7 +34,8 @@ import redis.asyncio as aioredis
 from broker.client import BrokerKeys
 from broker.config import BrokerConfig
 from broker.metrics import RUN_INFO_KEY, MetricsWriter
-from broker.producer import BackpressureTimeout, Producer
+from broker.producer import BackpressureTimeout
+from broker.protocols import TrajectoryProducer
 from broker.record import RecordError
 from broker.staleness import StalenessManager
 from broker.version import PolicyVersion
@@ -140,7 +141,7 @@ class Coordination:
     dispatch: PromptDispatcher
     admission: StalenessManager
     versions: VersionCache
-    producer: Producer
+    producer: TrajectoryProducer  # broker.producer.Producer, or broker.memory's in tests
     metrics: MetricsWriter | None = None
 
 
