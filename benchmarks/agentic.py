@@ -34,7 +34,7 @@ HELDOUT = 1000
 
 def heldout_metrics(model_dir: Path, problems: int) -> dict[str, Any]:
     """In-process held-out episode metrics (greedy and sampled) of a model directory."""
-    from rollout_fleet.evaluation import load_model
+    from rollout_fleet.local_eval import load_model
     from rollout_fleet.tasks import TEST
     from rollout_fleet.tasks.tool_arithmetic import ToolArithmeticTask
     from rollout_fleet.tool_warmstart import evaluate_episodes

@@ -807,9 +807,9 @@ async def _sglang_fleet(work: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from common.config import SharedConfig
-    from rollout_fleet.client import EngineClient, SamplingConfig, build_generate_request
     from rollout_fleet.config import EngineConfig
     from rollout_fleet.fleet import Fleet
+    from rollout_fleet.generate_client import EngineClient, SamplingConfig, build_generate_request
     from rollout_fleet.model import init_tiny_model
     from weight_sync import protocol
     from weight_sync.config import WeightSyncConfig

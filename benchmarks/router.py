@@ -38,9 +38,14 @@ import aiohttp
 
 from benchmarks.common import format_table, write_result
 from common.config import SharedConfig
-from rollout_fleet.client import EngineClient, SamplingConfig, build_generate_request, build_group_request
 from rollout_fleet.config import EngineConfig
 from rollout_fleet.fleet import Fleet
+from rollout_fleet.generate_client import (
+    EngineClient,
+    SamplingConfig,
+    build_generate_request,
+    build_group_request,
+)
 from rollout_fleet.model import init_tiny_model
 from rollout_fleet.router import Router
 from rollout_fleet.sglang_router import running_router

@@ -1,7 +1,7 @@
 """Held-out statistics from scored completions: accuracy, pass@k, accuracy per difficulty bucket.
 
 This module is the one definition of held-out accuracy: ``summary.json`` (through the evaluator), the warm
-starts' stopping rules and checks, and the TRL comparison (``rollout_fleet.evaluation``) all use
+starts' stopping rules and checks, and the TRL comparison (``rollout_fleet.local_eval``) all use
 :func:`accuracy` / :func:`solved`.
 
 What counts as solved (``solved``): the reward's ``correct`` component when it has one (every built-in task's

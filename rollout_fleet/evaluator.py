@@ -43,12 +43,6 @@ from common.config import SharedConfig
 from common.configlib import Section
 from common.discovery import resolve_redis_url
 from common.versioning import answer_version
-from rollout_fleet.client import (
-    EngineClient,
-    SamplingConfig,
-    build_generate_request,
-    build_group_request,
-)
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.envs.base import EnvironmentTask
 from rollout_fleet.envs.episode import EpisodeBudgets, TurnOutput, run_episode
@@ -61,6 +55,12 @@ from rollout_fleet.eval_stats import (
     pass_at_k_of,
     pass_at_ks,
     solved,
+)
+from rollout_fleet.generate_client import (
+    EngineClient,
+    SamplingConfig,
+    build_generate_request,
+    build_group_request,
 )
 from rollout_fleet.rewards import RewardPool
 from rollout_fleet.tasks import TEST, Prompt, RewardResult, Task

@@ -37,8 +37,8 @@ import aiohttp
 
 from broker.registry import EngineRegistry, engine_id_for
 from common.config import SharedConfig
-from rollout_fleet.client import EngineClient, wait_until_healthy
 from rollout_fleet.config import EngineConfig
+from rollout_fleet.generate_client import EngineClient, wait_until_healthy
 
 log = logging.getLogger("streamrl.fleet")
 

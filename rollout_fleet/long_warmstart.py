@@ -28,7 +28,7 @@ from typing import Any
 
 from common.supervised import Example
 from rollout_fleet.eval_stats import accuracy
-from rollout_fleet.evaluation import generate
+from rollout_fleet.local_eval import generate
 from rollout_fleet.model import TinyModelSpec, cache_root
 from rollout_fleet.tasks import TEST, Prompt
 from rollout_fleet.tasks.long_multiplication import LongMultiplicationTask

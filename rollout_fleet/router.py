@@ -42,7 +42,7 @@ import aiohttp
 
 from broker.registry import EngineRegistry, engine_id_for, normalize_url
 from common.versioning import answer_version
-from rollout_fleet.client import EngineClient
+from rollout_fleet.generate_client import EngineClient
 
 log = logging.getLogger("streamrl.router")
 

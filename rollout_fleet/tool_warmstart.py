@@ -34,7 +34,7 @@ from common.supervised import Example
 from rollout_fleet.envs.episode import Episode, EpisodeBudgets, TurnOutput, run_episode
 from rollout_fleet.envs.tools import tool_observation
 from rollout_fleet.eval_stats import solved
-from rollout_fleet.evaluation import generate_ids
+from rollout_fleet.local_eval import generate_ids
 from rollout_fleet.model import TinyModelSpec, cache_root
 from rollout_fleet.tasks import TEST, Prompt
 from rollout_fleet.tasks.tool_arithmetic import ToolArithmeticTask

@@ -22,7 +22,7 @@ import torch
 
 from common.supervised import Example
 from rollout_fleet.eval_stats import solved
-from rollout_fleet.evaluation import generate
+from rollout_fleet.local_eval import generate
 from rollout_fleet.model import TinyModelSpec, cache_root
 from rollout_fleet.tasks import Prompt
 from rollout_fleet.tasks.arithmetic import ArithmeticTask

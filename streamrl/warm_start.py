@@ -30,7 +30,7 @@ from learner.sft import Progress, TrainRecipe, make_optimizer, train_loop
 from rollout_fleet import long_warmstart as long_ws
 from rollout_fleet import tool_warmstart as tool_ws
 from rollout_fleet import warmstart as arith_ws
-from rollout_fleet.evaluation import evaluate
+from rollout_fleet.local_eval import evaluate
 from rollout_fleet.model import LONG_CONTEXT_SPEC, TinyModelSpec, build_model, build_tokenizer, save_model_dir
 from rollout_fleet.tasks.arithmetic import ArithmeticTask
 from rollout_fleet.tasks.long_multiplication import LongMultiplicationTask

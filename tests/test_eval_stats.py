@@ -92,9 +92,9 @@ class _FixedScores(Task):
 
 
 def test_the_model_evaluation_counts_accuracy_as_the_evaluator_does() -> None:
-    """rollout_fleet.evaluation (warm starts, the TRL comparison) and summary.json's evaluator agree: the reward
+    """rollout_fleet.local_eval (warm starts, the TRL comparison) and summary.json's evaluator agree: the reward
     without a `correct` component counts as solved (the `correct` mean alone said 1 / 4)."""
-    from rollout_fleet.evaluation import evaluate
+    from rollout_fleet.local_eval import evaluate
     from rollout_fleet.model import TinyModelSpec, build_model, build_tokenizer
 
     tokenizer = build_tokenizer()

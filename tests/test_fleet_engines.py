@@ -168,7 +168,7 @@ async def test_engines_of_a_fleet_never_share_a_sampling_seed(redis_url: str, tm
     would hold duplicates (measured: 4 of 4 identical before the fix)."""
     import aiohttp
 
-    from rollout_fleet.client import EngineClient, SamplingConfig, build_generate_request
+    from rollout_fleet.generate_client import EngineClient, SamplingConfig, build_generate_request
 
     model_dir = init_tiny_model(tmp_path / "tiny")
     shared = SharedConfig(run_id="seeds", model_path=model_dir, run_dir=tmp_path / "run", http_timeout_s=10.0)

@@ -28,8 +28,8 @@ from broker.consumer import Consumer
 from common.config import SharedConfig
 from common.discovery import resolve_redis_url, url_file
 from learner.checkpoint import trained_group_ids
-from rollout_fleet.client import EngineClient, RequestRejected
-from rollout_fleet.evaluation import load_model
+from rollout_fleet.generate_client import EngineClient, RequestRejected
+from rollout_fleet.local_eval import load_model
 from rollout_fleet.long_warmstart import (
     LongWarmStartRecipe,
     _long_test_prompts,

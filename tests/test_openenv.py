@@ -174,7 +174,6 @@ async def test_held_out_evaluation_scores_openenv_episodes_with_the_environment_
     environment's rewards (the task's verifier gives 0): recomputed here from each greedy transcript's actions."""
     import aiohttp
 
-    from rollout_fleet.client import EngineClient, SamplingConfig
     from rollout_fleet.evaluator import (
         EvalConfig,
         Scoring,
@@ -183,6 +182,7 @@ async def test_held_out_evaluation_scores_openenv_episodes_with_the_environment_
         evaluate_through_engines,
         reward_pool,
     )
+    from rollout_fleet.generate_client import EngineClient, SamplingConfig
     from rollout_fleet.model import load_tokenizer
     from rollout_fleet.tasks.config import build_task
 

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from rollout_fleet.client import (
+from rollout_fleet.generate_client import (
     InvalidResponse,
     RequestRejected,
     SamplingConfig,

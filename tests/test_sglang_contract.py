@@ -30,8 +30,13 @@ import torch
 
 from common.config import SharedConfig
 from rollout_fleet import fleet as fleet_mod
-from rollout_fleet.client import EngineClient, SamplingConfig, build_generate_request, build_group_request
 from rollout_fleet.config import EngineConfig
+from rollout_fleet.generate_client import (
+    EngineClient,
+    SamplingConfig,
+    build_generate_request,
+    build_group_request,
+)
 from rollout_fleet.sglang_router import router_command
 from streamrl.devices import resolve_plan
 from weight_sync import protocol

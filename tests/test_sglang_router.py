@@ -25,9 +25,9 @@ import pytest
 
 from broker.registry import engine_id_for
 from common.config import SharedConfig
-from rollout_fleet.client import EngineClient, GenerateResult, SamplingConfig, build_generate_request
 from rollout_fleet.config import EngineConfig
 from rollout_fleet.fleet import engine_command
+from rollout_fleet.generate_client import EngineClient, GenerateResult, SamplingConfig, build_generate_request
 from rollout_fleet.model import init_tiny_model
 from rollout_fleet.router import Router
 from rollout_fleet.sglang_router import healthy_workers, running_router

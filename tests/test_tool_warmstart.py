@@ -13,7 +13,7 @@ from common.supervised import Example
 from learner.sft import masked_step_loss
 from rollout_fleet.envs.episode import Episode
 from rollout_fleet.envs.tools import tool_observation
-from rollout_fleet.evaluation import generate_ids
+from rollout_fleet.local_eval import generate_ids
 from rollout_fleet.model import TinyModelSpec, build_model, build_tokenizer
 from rollout_fleet.tasks.tool_arithmetic import ToolArithmeticTask
 from rollout_fleet.tool_warmstart import (

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from learner.sft import masked_step_loss, padded_batch
-from rollout_fleet.evaluation import evaluate, generate, load_model
+from rollout_fleet.local_eval import evaluate, generate, load_model
 from rollout_fleet.model import TinyModelSpec, build_model, build_tokenizer
 from rollout_fleet.tasks.arithmetic import ArithmeticTask
 from rollout_fleet.warmstart import MARKER, PINNED_NUMERICS, fingerprint, make_examples, make_recipe

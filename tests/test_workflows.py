@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_fleet.client import SamplingConfig
 from rollout_fleet.dispatch import Lease
 from rollout_fleet.engine.server import ServerThread
 from rollout_fleet.envs.base import Environment
+from rollout_fleet.generate_client import SamplingConfig
 from rollout_fleet.main import scorer_of
 from rollout_fleet.model import load_tokenizer
 from rollout_fleet.rewards import RewardPool

@@ -179,7 +179,6 @@ async def heldout_evaluation(engine_url: str, model_dir: str) -> None:
 
     import aiohttp
 
-    from rollout_fleet.client import EngineClient, SamplingConfig
     from rollout_fleet.evaluator import (
         EvalConfig,
         Scoring,
@@ -188,6 +187,7 @@ async def heldout_evaluation(engine_url: str, model_dir: str) -> None:
         evaluate_through_engines,
         reward_pool,
     )
+    from rollout_fleet.generate_client import EngineClient, SamplingConfig
     from rollout_fleet.model import load_tokenizer
     from rollout_fleet.tasks.config import build_task, task_config
     from tests.guess_game import replay

@@ -1,6 +1,6 @@
 """SGLang 0.5.x weight-update protocol: request bodies, their parsing on the engine side, and reply parsing.
 
-Pure data, no HTTP (client.py sends, the engine's handlers receive). Field names, defaults and messages follow
+Pure data, no HTTP (engine_http.py sends, the engine's handlers receive). Field names, defaults and messages follow
 SGLang 0.5.23 (``managers/io_struct.py``, ``scheduler_components/weight_updater.py``); see
 docs/sglang_api.md sections 3 and 4 and docs/weight_sync.md.
 

@@ -58,8 +58,8 @@ from torch import nn
 from common.versioning import encode_label
 from weight_sync import protocol, tensor_transport
 from weight_sync.buckets import Bucket, BucketBuilder, flatten_into, unflatten
-from weight_sync.client import EngineHttp, wait_reply
 from weight_sync.config import WeightSyncConfig
+from weight_sync.engine_http import EngineHttp, wait_reply
 from weight_sync.group import UpdateGroup, default_backend, host_address, join_group, open_store
 from weight_sync.lora import (
     LoraSpec,

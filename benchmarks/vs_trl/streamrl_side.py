@@ -48,14 +48,14 @@ def up_command(recipe: GRPORecipe, eta: int, run_dir: Path, model_dir: Path) -> 
 @functools.cache
 def baseline(model_dir: Path, heldout: int, max_new_tokens: int) -> dict[str, Any]:
     """The starting model's held-out scores, once per invocation (the evaluation is seeded: every run's step 0)."""
-    from rollout_fleet.evaluation import evaluate
+    from rollout_fleet.local_eval import evaluate
 
     return evaluate(model_dir, task=heldout_task(heldout), n=heldout, max_new_tokens=max_new_tokens)
 
 
 def run_streamrl(model_dir: Path, recipe: GRPORecipe, eta: int, run_dir: Path) -> dict[str, Any]:
     """One `streamrl up` run and its held-out curve (step, samples, training wall seconds, greedy, sampled)."""
-    from rollout_fleet.evaluation import evaluate
+    from rollout_fleet.local_eval import evaluate
 
     proc = subprocess.run(up_command(recipe, eta, run_dir, model_dir), capture_output=True, text=True)
     if proc.returncode != 0:

@@ -92,7 +92,7 @@ def run_trl(model_dir: Path, recipe: GRPORecipe, work_dir: Path) -> dict[str, An
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rollout_fleet.evaluation import evaluate
+    from rollout_fleet.local_eval import evaluate
 
     torch.manual_seed(recipe.seed)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rollout_fleet.client import SamplingConfig
 from rollout_fleet.envs.base import is_multi_turn
+from rollout_fleet.generate_client import SamplingConfig
 from rollout_fleet.router import Router
 from rollout_fleet.tasks import Task
 from rollout_fleet.workflows.base import GroupWorkflow, WorkflowContext

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rollout_fleet.client import (
+from rollout_fleet.generate_client import (
     EngineUnavailable,
     GenerateResult,
     InvalidResponse,
