@@ -71,30 +71,24 @@ SENDERS = 4  # concurrent sends in the producer process: a rollout worker has ma
 
 # ----- the JSON baseline codec: the same record, arrays as lists of numbers ---------------------------------
 
-_ARRAYS = {"output_ids": np.int32, "logprobs": np.float32, "versions": np.int32, "loss_mask": np.uint8}
+
+def _lists(record: object) -> dict:
+    """A record's fields with every array (whichever the schema has) as a list of numbers."""
+    values = {name: getattr(record, name) for name in record.__dataclass_fields__}
+    return {name: v.tolist() if isinstance(v, np.ndarray) else v for name, v in values.items()}
 
 
 def json_encode(group: TrajectoryGroup) -> bytes:
     group.validate()
-    samples = []
-    for s in group.samples:
-        d = {name: getattr(s, name) for name in s.__dataclass_fields__}
-        for name in _ARRAYS:
-            d[name] = d[name].tolist()
-        samples.append(d)
-    d = {name: getattr(group, name) for name in group.__dataclass_fields__}
-    d["prompt_ids"] = group.prompt_ids.tolist()
-    d["samples"] = samples
+    d = _lists(group)
+    d["samples"] = [_lists(s) for s in group.samples]
     return json.dumps(d).encode()
 
 
 def json_decode(data: bytes) -> TrajectoryGroup:
+    """The record's own constructors turn the lists back into arrays of the schema's dtypes."""
     d = json.loads(data)
-    samples = []
-    for s in d.pop("samples"):
-        for name, dtype in _ARRAYS.items():
-            s[name] = np.asarray(s[name], dtype=dtype)
-        samples.append(Sample(**s))
+    samples = [Sample(**s) for s in d.pop("samples")]
     group = TrajectoryGroup(**d, samples=samples)
     group.validate()
     return group

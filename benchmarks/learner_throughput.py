@@ -128,6 +128,11 @@ def pad_to(mb: MicroBatch, width: int, pad_id: int = 0) -> MicroBatch:
         order=torch.arange(b),
         buckets=[(0, b, width)],
         real_tokens=int(mb.attention_mask.sum()),
+        # for a varlen kernel each row is one sample of ``width`` tokens, so it too pays for the padding
+        varlen_index=flat.flatten(),
+        cu_seqlens=torch.arange(0, (b + 1) * width, width, dtype=torch.int32),
+        varlen_target=flat.flatten(),
+        max_seqlen=width,
     )
     return MicroBatch(
         input_ids=pad(mb.input_ids, pad_id),
