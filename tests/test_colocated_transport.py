@@ -426,7 +426,8 @@ def test_cuda_ipc_update_reaches_an_engine_on_the_gpu(model_dir: Path) -> None:
     """On one GPU: the engine on CUDA, the learner's model on the same CUDA device, buckets by CUDA IPC handle."""
     port = free_port()
     flags = ["engine", f"--shared.model_path={model_dir}", f"--engine.port={port}", "--engine.device=cuda",
-             "--engine.dtype=float32", f"--engine.control_timeout_s={TIMEOUT_S}"]  # fmt: skip
+             "--engine.dtype=float32", f"--engine.control_timeout_s={TIMEOUT_S}",
+             f"--shared.run_dir={model_dir.parent / 'run'}"]  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-m", "streamrl", *flags], cwd=REPO)
     url = f"http://127.0.0.1:{port}"
     try:
