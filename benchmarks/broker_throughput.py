@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from benchmarks.common import format_table, write_result
+from benchmarks.common import add_mode_flags, format_table, mode_of, write_result
 from broker.client import connect
 from broker.codec import decode as codec_decode
 from broker.codec import encode
@@ -54,6 +54,11 @@ TARGETS = {"ratio_vs_json": (">=", 5.0), "ratio_vs_raw_blob": (">=", 0.7)}
 # Entries per timed pass, per size. JSON is 20-50x slower, so its passes move fewer of the same groups (rates
 # are compared, not totals); each method runs `repeats` times, interleaved, and the median is reported.
 MODES = {
+    "smoke": {  # every size and method once, a handful of entries: that it runs, not how fast
+        "entries": {1024: 4, 8192: 2, 32768: 1},
+        "json_entries": {1024: 1, 8192: 1, 32768: 1},
+        "repeats": 1,
+    },
     "quick": {
         "entries": {1024: 100, 8192: 30, 32768: 8},
         "json_entries": {1024: 20, 8192: 4, 32768: 2},
@@ -71,30 +76,24 @@ SENDERS = 4  # concurrent sends in the producer process: a rollout worker has ma
 
 # ----- the JSON baseline codec: the same record, arrays as lists of numbers ---------------------------------
 
-_ARRAYS = {"output_ids": np.int32, "logprobs": np.float32, "versions": np.int32, "loss_mask": np.uint8}
+
+def _lists(record: object) -> dict:
+    """A record's fields with every array (whichever the schema has) as a list of numbers."""
+    values = {name: getattr(record, name) for name in record.__dataclass_fields__}
+    return {name: v.tolist() if isinstance(v, np.ndarray) else v for name, v in values.items()}
 
 
 def json_encode(group: TrajectoryGroup) -> bytes:
     group.validate()
-    samples = []
-    for s in group.samples:
-        d = {name: getattr(s, name) for name in s.__dataclass_fields__}
-        for name in _ARRAYS:
-            d[name] = d[name].tolist()
-        samples.append(d)
-    d = {name: getattr(group, name) for name in group.__dataclass_fields__}
-    d["prompt_ids"] = group.prompt_ids.tolist()
-    d["samples"] = samples
+    d = _lists(group)
+    d["samples"] = [_lists(s) for s in group.samples]
     return json.dumps(d).encode()
 
 
 def json_decode(data: bytes) -> TrajectoryGroup:
+    """The record's own constructors turn the lists back into arrays of the schema's dtypes."""
     d = json.loads(data)
-    samples = []
-    for s in d.pop("samples"):
-        for name, dtype in _ARRAYS.items():
-            s[name] = np.asarray(s[name], dtype=dtype)
-        samples.append(Sample(**s))
+    samples = [Sample(**s) for s in d.pop("samples")]
     group = TrajectoryGroup(**d, samples=samples)
     group.validate()
     return group
@@ -399,10 +398,10 @@ def summarize(passes: list[Pass]) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer entries and one repeat (under a minute)")
+    add_mode_flags(parser, "fewer entries and repeats (under a minute)")
     parser.add_argument("--out", type=Path, default=Path("runs/broker_throughput.json"), help="result JSON")
     args = parser.parse_args(argv)
-    mode = "quick" if args.quick else "full"
+    mode = mode_of(parser, args)
     print(f"broker_throughput ({mode}): {NUM_SAMPLES} samples per group, sizes {SIZES}", flush=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp:

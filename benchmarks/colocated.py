@@ -40,11 +40,7 @@ from weight_sync.sender import WeightSender, sync_weights
 
 TRANSPORTS = ("distributed", "tensor")
 # --tiny (the test's mode): a model of ~4 MB, a short run of each placement. quick and full: benchmarks.weight_sync's.
-UPDATE_MODES = {
-    **MODES,
-    "tiny": {"model": {"vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 256},
-             "repeats": 3},
-}  # fmt: skip
+UPDATE_MODES = {**MODES, "tiny": {**MODES["smoke"], "repeats": 3}}
 PLACEMENTS = {"colocated": ["--shared.placement=colocated"], "disaggregated": []}
 
 

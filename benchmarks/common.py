@@ -5,6 +5,7 @@ package versions, machine (with GPUs), and the model's file hashes when the benc
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -12,7 +13,7 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,37 @@ def evaluate_targets(
     return out, all(t["passed"] for t in out.values())
 
 
+REPO = Path(__file__).resolve().parents[1]
+SMOKE_HELP = (
+    "the smallest shape, seconds: checks that the benchmark runs end to end (tests/test_benchmark_smoke.py); "
+    "its numbers mean nothing; needs --out outside the checkout"
+)
+
+
+def add_mode_flags(parser: argparse.ArgumentParser, quick_help: str) -> None:
+    """``--quick`` and ``--smoke``, one at most; :func:`mode_of` reads them."""
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--quick", action="store_true", help=quick_help)
+    modes.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+
+
+def mode_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """``smoke``, ``quick`` or ``full``; a smoke run must be told where to write (``--out``) and never writes into
+    the checkout (its numbers are no results, and a test's run leaves the checkout as it was)."""
+    if not getattr(args, "smoke", False):
+        return "quick" if getattr(args, "quick", False) else "full"
+    if getattr(args, "out", None) is None:
+        parser.error("--smoke needs --out (outside the checkout)")
+    check_smoke_path(Path(args.out), parser.error)
+    return "smoke"
+
+
+def check_smoke_path(path: Path, fail: Callable[[str], Any]) -> None:
+    """Call ``fail`` with the reason when a smoke run's output ``path`` lies inside the checkout."""
+    if path.resolve().is_relative_to(REPO):
+        fail(f"--smoke writes only outside the checkout (--out {path} is inside {REPO})")
+
+
 def write_result(
     path: Path | str,
     benchmark: str,
@@ -127,6 +159,8 @@ def write_result(
     written document."""
     from streamrl.manifest import environment
 
+    if mode == "smoke":
+        check_smoke_path(Path(path), _refuse)
     headline = dict(headline or {})
     checked, passed = evaluate_targets(headline, targets)
     doc: dict[str, Any] = {
@@ -148,6 +182,10 @@ def write_result(
     tmp.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
     tmp.replace(path)
     return doc
+
+
+def _refuse(reason: str) -> None:
+    raise ValueError(reason)
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -26,12 +26,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks.common import format_table, write_result
+from benchmarks.common import add_mode_flags, format_table, mode_of, write_result
 from rollout_fleet.engine.runner import ModelRunner, PrefillChunk
 from rollout_fleet.model import init_tiny_model
 
 TARGETS = {"decode_speedup": (">=", 1.0)}
 MODES = {
+    "smoke": {"batches": [2], "steps": 2, "repeats": 1},
     "quick": {"batches": [16, 128], "steps": 30, "repeats": 3},
     "full": {"batches": [16, 64, 128], "steps": 200, "repeats": 7},
 }
@@ -100,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="two batch sizes, fewer steps (seconds)")
+    add_mode_flags(parser, "two batch sizes, fewer steps (seconds)")
     parser.add_argument("--out", type=Path, default=Path("runs/engine_decode.json"), help="result JSON")
     args = parser.parse_args(argv)
-    mode = "quick" if args.quick else "full"
+    mode = mode_of(parser, args)
     params, results, headline = run(mode)
     doc = write_result(args.out, "engine_decode", mode, params, results, TARGETS, headline)
     med = results["ms_per_step"]

@@ -38,11 +38,12 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks.common import format_table, write_result
+from benchmarks.common import add_mode_flags, format_table, mode_of, write_result
 from rollout_fleet.model import init_tiny_model, load_tokenizer
 
 TARGETS = {"ratio_vs_hf_generate": (">=", 1.5)}
 MODES = {
+    "smoke": {"requests": 4, "batch": 2, "repeats": 1},
     "quick": {"requests": 64, "batch": 16, "repeats": 2},
     "full": {"requests": 256, "batch": 32, "repeats": 3},
 }
@@ -72,16 +73,18 @@ def _free_port() -> int:
 
 
 class EngineProcess:
-    """``python -m rollout_fleet.engine`` on a free port; stopped with SIGTERM."""
+    """``streamrl engine`` on a free port; stopped with SIGTERM. Its run directory (where it writes its resolved
+    config) is a temporary one of its own: the default, runs/default, is relative to the working directory."""
 
     def __init__(self, model: Path, batch: int, extra: tuple[str, ...] = ()) -> None:
+        self.run_dir = tempfile.TemporaryDirectory(prefix="streamrl-engine-bench-run-")
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
             sys.executable, "-m", "streamrl", "engine",
             f"--shared.model_path={model}", "--shared.torch_threads=1", f"--engine.port={self.port}",
             f"--engine.max_running_requests={batch}", f"--engine.max_context_len={CONTEXT}", "--engine.device=cpu",
-            *extra,
+            f"--shared.run_dir={self.run_dir.name}", *extra,
         ]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
@@ -112,6 +115,7 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        self.run_dir.cleanup()
 
 
 async def engine_pass(
@@ -261,10 +265,10 @@ def summarize(engine_runs: list[dict], hf_runs: list[dict]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="64 requests, two repeats (under a minute)")
+    add_mode_flags(parser, "64 requests, two repeats (under a minute)")
     parser.add_argument("--out", type=Path, default=Path("runs/engine_throughput.json"), help="result JSON")
     args = parser.parse_args(argv)
-    mode = "quick" if args.quick else "full"
+    mode = mode_of(parser, args)
     cfg = MODES[mode]
     torch.set_num_threads(1)
     prompts, lengths = workload(cfg["requests"])

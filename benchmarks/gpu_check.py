@@ -492,7 +492,8 @@ def engine_generation(
     log = work / "engine.log"
     cmd = [sys.executable, "-m", "streamrl", "engine", f"--shared.model_path={model_dir}", f"--engine.port={port}",
            f"--engine.device={device}", f"--engine.max_running_requests={requests}",
-           f"--engine.max_context_len={64 + new_tokens + 16}", f"--engine.request_timeout_s={timeout_s}"]  # fmt: skip
+           f"--engine.max_context_len={64 + new_tokens + 16}", f"--engine.request_timeout_s={timeout_s}",
+           f"--shared.run_dir={work / 'engine-run'}"]  # fmt: skip
     started = time.monotonic()
     with open(log, "w") as sink:
         proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=sink, stderr=subprocess.STDOUT)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import format_table, write_result
+from benchmarks.common import add_mode_flags, format_table, mode_of, write_result
 from learner.attention import register_packed_attention
 from learner.config import LearnerConfig
 from learner.packing import (
@@ -56,6 +56,7 @@ from rollout_fleet.model import init_tiny_model
 
 TARGETS = {"ratio_packing_vs_padding": (">=", 2.0), "ratio_shared_vs_unshared": (">=", 1.2)}
 MODES = {
+    "smoke": {"sequences": 4, "long_fraction": 0.25, "budget": 512, "repeats": 1, "groups": 1},
     "quick": {"sequences": 32, "long_fraction": 0.1, "budget": 2048, "repeats": 3, "groups": 8},
     "full": {"sequences": 64, "long_fraction": 0.06, "budget": 4096, "repeats": 7, "groups": 16},
 }
@@ -128,6 +129,11 @@ def pad_to(mb: MicroBatch, width: int, pad_id: int = 0) -> MicroBatch:
         order=torch.arange(b),
         buckets=[(0, b, width)],
         real_tokens=int(mb.attention_mask.sum()),
+        # for a varlen kernel each row is one sample of ``width`` tokens, so it too pays for the padding
+        varlen_index=flat.flatten(),
+        cu_seqlens=torch.arange(0, (b + 1) * width, width, dtype=torch.int32),
+        varlen_target=flat.flatten(),
+        max_seqlen=width,
     )
     return MicroBatch(
         input_ids=pad(mb.input_ids, pad_id),
@@ -247,10 +253,10 @@ def run(mode: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller batch, fewer repeats (under a minute)")
+    add_mode_flags(parser, "smaller batch, fewer repeats (under a minute)")
     parser.add_argument("--out", type=Path, default=Path("runs/learner_throughput.json"), help="result JSON")
     args = parser.parse_args(argv)
-    mode = "quick" if args.quick else "full"
+    mode = mode_of(parser, args)
     params, results, headline = run(mode)
     doc = write_result(args.out, "learner_throughput", mode, params, results, TARGETS, headline)
     rows = [

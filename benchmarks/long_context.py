@@ -53,13 +53,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import write_result
+from benchmarks.common import add_mode_flags, mode_of, write_result
 
 VOCAB = 151_936
 HIDDEN = 512
 CHUNK = 1024
-QUICK_SIZES = [2048, 4096, 8192]
-FULL_SIZES = [2048, 4096, 8192, 32768]
+SIZES = {"smoke": [128], "quick": [2048, 4096, 8192], "full": [2048, 4096, 8192, 32768]}
 TARGETS = {
     "ratio_peak_memory_full_vs_chunked": (">=", 4.0),
     "ratio_tokens_per_s_chunked_vs_full": (">=", 0.9),
@@ -69,13 +68,16 @@ TARGETS = {
 }
 # varlen vs padded: sequences of the long task's lengths (digits up to max_digits), micro-batch token budget
 VARLEN = {
+    "smoke": {"sequences": 2, "max_digits": 2, "budget": 1024, "repeats": 1, "layers": [1]},
     "quick": {"sequences": 16, "max_digits": 12, "budget": 4096, "repeats": 1, "layers": [8]},
     "full": {"sequences": 24, "max_digits": 14, "budget": 8192, "repeats": 1, "layers": [2, 8]},
 }
-GROUP_SIZE, SHARED_PROMPT = 8, 2048
+GROUP_SIZE = 8
+SHARED_PROMPT = {"smoke": 64, "quick": 2048, "full": 2048}  # tokens of the group's one prompt
 SECTIONS = ("loss", "varlen", "prefill", "concurrency")
 # paged vs contiguous: requests, KV memory (tokens), context (the contiguous row), digits of the length mix
 CONCURRENCY = {
+    "smoke": {"requests": 6, "kv_tokens": 256, "context": 128, "max_digits": 2},
     "quick": {"requests": 128, "kv_tokens": 4096, "context": 1024, "max_digits": 8},
     "full": {"requests": 192, "kv_tokens": 8192, "context": 2048, "max_digits": 10},
 }
@@ -278,18 +280,20 @@ def gen_item(rid: str, prompt: list[int], max_new_tokens: int, seed: int) -> Any
     return GenItem(rid=rid, input_ids=prompt, params=params, max_new_tokens=max_new_tokens)
 
 
-def prefill_sharing() -> dict[str, Any]:
-    """Prompt tokens computed for one group of 8 samples of one 2,048-token prompt, sharing on and off."""
+def prefill_sharing(mode: str) -> dict[str, Any]:
+    """Prompt tokens computed for one group of 8 samples of one 2,048-token prompt (smoke: 64), sharing on and
+    off."""
     import torch
 
     from rollout_fleet.engine.core import Engine
     from rollout_fleet.model import init_tiny_model
 
-    prompt = torch.randint(5, 90, (SHARED_PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
-    out: dict[str, Any] = {"prompt_tokens": SHARED_PROMPT, "group_size": GROUP_SIZE}
+    prompt_tokens = SHARED_PROMPT[mode]
+    prompt = torch.randint(5, 90, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "group_size": GROUP_SIZE}
     for name, disable in (("shared", False), ("unshared", True)):
         engine = Engine(init_tiny_model(), max_running_requests=GROUP_SIZE, disable_radix_cache=disable,
-                        max_total_tokens=GROUP_SIZE * (SHARED_PROMPT + 32), seed=0).start()  # fmt: skip
+                        max_total_tokens=GROUP_SIZE * (prompt_tokens + 32), seed=0).start()  # fmt: skip
         try:
             items = [gen_item(f"{name}-{k}", prompt, 16, k) for k in range(GROUP_SIZE)]
             snapshots = run_engine(engine, items)
@@ -358,10 +362,10 @@ def decode_concurrency(mode: str) -> dict[str, Any]:
     return out
 
 
-def loss_memory(quick: bool, repeats: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def loss_memory(mode: str, repeats: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The loss, chunked against full logits, each length in fresh processes: (sizes, headline ratios)."""
     sizes: dict[str, dict[str, Any]] = {}
-    for tokens in QUICK_SIZES if quick else FULL_SIZES:
+    for tokens in SIZES[mode]:
         row: dict[str, Any] = {"chunked": run_fresh(tokens, "chunked", repeats)}
         if full_fits(tokens):
             row["full"] = run_fresh(tokens, "full", repeats)
@@ -388,9 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--quick", action="store_true", help="loss up to 8,192 tokens; smaller mixes (minutes)"
-    )
+    add_mode_flags(parser, "loss up to 8,192 tokens; smaller mixes (minutes)")
     parser.add_argument(
         "--sections",
         nargs="+",
@@ -399,7 +401,9 @@ def main(argv: list[str] | None = None) -> int:
         help="what to measure (default: all): the loss, varlen vs padded, prefill sharing, paged concurrency",
     )
     parser.add_argument("--out", type=Path, help="result JSON")
-    parser.add_argument("--repeats", type=int, default=2, help="forward + backward passes per measurement")
+    parser.add_argument(
+        "--repeats", type=int, help="forward + backward passes per measurement (default 2; smoke 1)"
+    )
     parser.add_argument("--measure", choices=["chunked", "full"], help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -408,15 +412,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("--out is required")
-    mode = "quick" if args.quick else "full"
+    mode = mode_of(parser, args)
+    args.repeats = args.repeats or (1 if mode == "smoke" else 2)
     results: dict[str, Any] = {}
     headline: dict[str, Any] = {}
     if "loss" in args.sections:
-        results["sizes"], ratios_at = loss_memory(args.quick, args.repeats)
+        results["sizes"], ratios_at = loss_memory(mode, args.repeats)
         headline.update(ratios_at)
     for name, section, measure in (
         ("varlen_vs_padded", "varlen", lambda: varlen_vs_padded(mode)),
-        ("prefill_tokens_unshared_vs_shared", "prefill", prefill_sharing),
+        ("prefill_tokens_unshared_vs_shared", "prefill", lambda: prefill_sharing(mode)),
         ("concurrent_sequences_paged_vs_contiguous", "concurrency", lambda: decode_concurrency(mode)),
     ):
         if section not in args.sections:
@@ -432,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             ]["ratio"]
     targets = {name: t for name, t in TARGETS.items() if name in headline}  # those of the sections run
     params = {"vocab": VOCAB, "hidden": HIDDEN, "loss_chunk_tokens": CHUNK, "repeats": args.repeats,
-              "varlen": VARLEN[mode], "concurrency": CONCURRENCY[mode]}  # fmt: skip
+              "varlen": VARLEN[mode], "concurrency": CONCURRENCY[mode], "shared_prompt": SHARED_PROMPT[mode]}  # fmt: skip
     params["sections"] = args.sections
     doc = write_result(args.out, "long_context", mode, params, results, targets, headline)
     print(json.dumps({k: doc[k] for k in ("targets", "passed")}, indent=2))

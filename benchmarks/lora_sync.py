@@ -33,12 +33,19 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import format_table, write_result
+from benchmarks.common import add_mode_flags, format_table, mode_of, write_result
 from benchmarks.weight_sync import http_json
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = {"seconds_ratio_vs_full": (">", 1.0), "bytes_ratio_vs_full": (">", 10.0)}
 MODES = {
+    # ~0.3M parameters: that it runs (--smoke)
+    "smoke": {
+        "model": {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "intermediate_size": 128},
+        "rank": 4,
+        "repeats": 1,
+    },
     # ~25M parameters, ~0.1 GB of fp32 weights.
     "quick": {
         "model": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
@@ -65,13 +72,15 @@ def make_model_dir(root: Path, shape: dict) -> Path:
     return init_tiny_model(root / "model", TinyModelSpec(max_position_embeddings=1024, **shape))
 
 
-def start_engine(model_dir: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+def start_engine(model_dir: Path, run_dir: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """A ``streamrl engine`` serving ``model_dir``; ``run_dir`` gets its resolved config (the default,
+    runs/default, is relative to the working directory: the checkout)."""
     from broker.server import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "streamrl", "engine", f"--shared.model_path={model_dir}", f"--engine.port={port}",
            f"--engine.control_timeout_s={TIMEOUT_S}", "--engine.max_total_tokens=4096",
-           "--engine.max_running_requests=4", *extra]  # fmt: skip
+           "--engine.max_running_requests=4", f"--shared.run_dir={run_dir}", *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -171,7 +180,9 @@ def run(
     try:
         given = model_dir is not None
         model_dir = model_dir if given else make_model_dir(root, spec["model"])
-        proc, url = start_engine(model_dir, (f"--engine.dtype={dtype}",) if given else ())
+        proc, url = start_engine(
+            model_dir, root / "engine-run", (f"--engine.dtype={dtype}",) if given else ()
+        )
         model = build_learner_model(model_dir, spec["rank"])
         base_params = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
         adapter_params = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
@@ -253,11 +264,11 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller model, fewer repeats (about a minute)")
+    add_mode_flags(parser, "smaller model, fewer repeats (about a minute)")
     parser.add_argument("--bucket-mb", type=float, default=64.0, help="bucket size of the syncs, MiB")
     parser.add_argument("--out", type=Path, default=Path("runs/lora_sync.json"), help="result JSON")
     args = parser.parse_args(argv)
-    mode = "quick" if args.quick else "full"
+    mode = mode_of(parser, args)
     params, results, headline = run(mode, args.bucket_mb)
     if not results["engine_matches_learner"]:
         raise SystemExit(f"the engine does not serve the learner's model: {results['max_logprob_gap']}")

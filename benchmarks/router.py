@@ -36,7 +36,7 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.common import format_table, write_result
+from benchmarks.common import add_mode_flags, format_table, mode_of, write_result
 from common.config import SharedConfig
 from rollout_fleet.config import EngineConfig
 from rollout_fleet.fleet import Fleet
@@ -50,7 +50,11 @@ from rollout_fleet.model import init_tiny_model
 from rollout_fleet.router import Router
 from rollout_fleet.sglang_router import running_router
 
-MODES = {"quick": {"rounds": 4, "groups": 12}, "full": {"rounds": 6, "groups": 24}}
+MODES = {
+    "smoke": {"rounds": 1, "groups": 1},
+    "quick": {"rounds": 4, "groups": 12},
+    "full": {"rounds": 6, "groups": 24},
+}
 ARMS = ("fleet_batched", "fleet_single", "sglang_router")
 GROUP_SIZE, MAX_NEW_TOKENS, CONCURRENT_GROUPS = 8, 48, 4
 SAMPLING = SamplingConfig(temperature=1.0)
@@ -178,16 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--quick", action="store_true", help="4 rounds of 12 groups per arm (about 2 minutes)"
-    )
+    add_mode_flags(parser, "4 rounds of 12 groups per arm (about 2 minutes)")
     parser.add_argument("--out", type=Path, required=True, help="result JSON")
     parser.add_argument(
         "--policy", default="cache_aware", help="the sglang-router's policy (default cache_aware)"
     )
     parser.add_argument("--work", type=Path, help="model and logs (default: a temporary directory)")
     args = parser.parse_args(argv)
-    mode = "quick" if args.quick else "full"
+    mode = mode_of(parser, args)
     rounds, groups = MODES[mode]["rounds"], MODES[mode]["groups"]
     work = args.work or Path(tempfile.mkdtemp(prefix="router-bench-"))
     started = time.monotonic()

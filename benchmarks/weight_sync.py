@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import format_table, write_result
+from benchmarks.common import add_mode_flags, format_table, mode_of, write_result
 from weight_sync import protocol
 from weight_sync.buckets import TensorMeta
 from weight_sync.config import WeightSyncConfig
@@ -56,6 +56,11 @@ BASE_MODEL = {
     "tie_word_embeddings": False,
 }
 MODES = {
+    # ~4 MB of fp32 weights: that it runs (--smoke); benchmarks.colocated's --tiny
+    "smoke": {
+        "model": {"vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 256},
+        "repeats": 1,
+    },
     # ~0.35 GB of fp32 weights.
     "quick": {"model": {"hidden_size": 768, "num_hidden_layers": 6, "intermediate_size": 2048}, "repeats": 5},
     # ~0.62 GB of fp32 weights.
@@ -249,11 +254,11 @@ def run(mode: str, bucket_mb: float) -> tuple[dict, dict, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller model, fewer repeats (a few minutes)")
+    add_mode_flags(parser, "smaller model, fewer repeats (a few minutes)")
     parser.add_argument("--bucket-mb", type=float, default=64.0, help="bucket size of the measured sync, MiB")
     parser.add_argument("--out", type=Path, default=Path("runs/weight_sync.json"), help="result JSON")
     args = parser.parse_args(argv)
-    mode = "quick" if args.quick else "full"
+    mode = mode_of(parser, args)
     params, results, headline = run(mode, args.bucket_mb)
     if not results["weights_bit_identical"]:
         raise SystemExit("engines' weights differ from the learner's after the sync")

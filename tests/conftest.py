@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -89,6 +90,40 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         if build.poll() is None:
             os.killpg(build.pid, signal.SIGTERM)  # its session: the build runs in a child of its own
             build.wait()
+
+
+CHECKOUT_RUNS = Path(__file__).resolve().parents[1] / "runs"
+
+
+def _files_under(root: Path) -> dict[str, int]:
+    """Every file under ``root`` (relative path -> mtime in ns); empty when ``root`` does not exist."""
+    files: dict[str, int] = {}
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            path = Path(dirpath) / name
+            with contextlib.suppress(FileNotFoundError):  # a file that vanished while we looked
+                files[str(path.relative_to(root))] = path.stat().st_mtime_ns
+    return files
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_written_under_the_checkouts_runs() -> Iterator[None]:
+    """Tests write under tmp_path only: the checkout's runs/ is where `make run` keeps its run (runs/default is
+    every role's default run directory, relative to the working directory, which is the checkout here). A file
+    that appears or changes there during the session fails it, naming the files: some test started a role, or
+    a benchmark, without a run directory or output of its own."""
+    before = _files_under(CHECKOUT_RUNS)
+    yield
+    after = _files_under(CHECKOUT_RUNS)
+    written = sorted(name for name, mtime in after.items() if before.get(name) != mtime)
+    if written:
+        shown = ", ".join(str(CHECKOUT_RUNS / name) for name in written[:20])
+        more = f" and {len(written) - 20} more" if len(written) > 20 else ""
+        pytest.fail(
+            f"tests wrote {len(written)} file(s) into the checkout's runs/ (tests write under tmp_path only; "
+            f"give the role or benchmark a --shared.run_dir / --out under tmp_path): {shown}{more}",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(autouse=True)

@@ -78,8 +78,10 @@ def call(url: str, body: Any = None, timeout: float = 30.0) -> tuple[int, Any]:
 
 
 def launch(model_dir: Path, port: int, kill_at: int | None = None) -> subprocess.Popen:
+    """An engine process; its run directory (resolved config) beside the model, in the module's tmp dir."""
     flags = ["engine", f"--shared.model_path={model_dir}", "--shared.torch_threads=1", f"--engine.port={port}",
-             f"--engine.control_timeout_s={TIMEOUT_S}", f"--engine.max_total_tokens={KV_TOKENS}"]  # fmt: skip
+             f"--engine.control_timeout_s={TIMEOUT_S}", f"--engine.max_total_tokens={KV_TOKENS}",
+             f"--shared.run_dir={model_dir.parent / 'run'}"]  # fmt: skip
     if kill_at is None:
         cmd = [sys.executable, "-m", "streamrl", *flags]
     else:
@@ -127,9 +129,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engine(model_dir: Path):
     served = Engine(model_dir)
-    wait_ready(served.url, served.proc)
-    yield served
-    served.stop()
+    try:  # an engine that never answers still leaves no process behind
+        wait_ready(served.url, served.proc)
+        yield served
+    finally:
+        served.stop()
 
 
 def learner(model_dir: Path, seed: int) -> torch.nn.Module:
@@ -422,7 +426,8 @@ def test_cuda_ipc_update_reaches_an_engine_on_the_gpu(model_dir: Path) -> None:
     """On one GPU: the engine on CUDA, the learner's model on the same CUDA device, buckets by CUDA IPC handle."""
     port = free_port()
     flags = ["engine", f"--shared.model_path={model_dir}", f"--engine.port={port}", "--engine.device=cuda",
-             "--engine.dtype=float32", f"--engine.control_timeout_s={TIMEOUT_S}"]  # fmt: skip
+             "--engine.dtype=float32", f"--engine.control_timeout_s={TIMEOUT_S}",
+             f"--shared.run_dir={model_dir.parent / 'run'}"]  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-m", "streamrl", *flags], cwd=REPO)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -243,6 +243,7 @@ def free_port() -> int:
 def test_daemon_serves_until_sigterm_and_says_when_there_is_no_redis(redis_url: str, tmp_path: Path) -> None:
     port = free_port()
     args = [sys.executable, "-m", "streamrl", "dashboard", f"--shared.redis_url={redis_url}"]
+    args += [f"--shared.run_dir={tmp_path / 'run'}"]  # its resolved config goes there, not into the checkout
     args += ["--shared.run_id=proc", f"--dashboard.port={port}", "--dashboard.refresh_s=0.2"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

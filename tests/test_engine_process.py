@@ -57,7 +57,7 @@ def test_sigterm_answers_in_flight_requests_and_frees_the_port(tmp_path: Path) -
     port = free_port()
     cmd = [
         sys.executable, "-m", "streamrl", "engine",
-        f"--shared.model_path={model}", "--shared.torch_threads=1",
+        f"--shared.model_path={model}", "--shared.torch_threads=1", f"--shared.run_dir={tmp_path / 'run'}",
         f"--engine.port={port}", "--engine.max_context_len=4096", "--engine.max_running_requests=4",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

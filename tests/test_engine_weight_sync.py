@@ -27,9 +27,11 @@ pytestmark = pytest.mark.timeout(240)
 TIMEOUT_S = 20.0
 
 
-def start_engine(model_dir: Path, port: int) -> subprocess.Popen:
+def start_engine(model_dir: Path, port: int, run_dir: Path) -> subprocess.Popen:
+    """A ``streamrl engine`` process; its resolved config goes to ``run_dir`` (the default, runs/default, is
+    relative to the working directory: the checkout, under pytest)."""
     cmd = [sys.executable, "-m", "streamrl", "engine", f"--shared.model_path={model_dir}", f"--engine.port={port}",
-           f"--engine.control_timeout_s={TIMEOUT_S}"]  # fmt: skip
+           f"--engine.control_timeout_s={TIMEOUT_S}", f"--shared.run_dir={run_dir}"]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -110,14 +112,16 @@ def two_engines(tmp_path: Path):
 
     model_dir = init_tiny_model(tmp_path / "tiny")
     ports = [free_port(), free_port()]
-    procs = [start_engine(model_dir, p) for p in ports]
+    procs = [start_engine(model_dir, p, tmp_path / "run") for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    for url, proc in zip(urls, procs, strict=True):
-        wait_ready(url, proc)
-    yield model_dir, urls, procs
-    for proc in procs:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=10)
+    try:  # an engine that never answers still leaves no process behind
+        for url, proc in zip(urls, procs, strict=True):
+            wait_ready(url, proc)
+        yield model_dir, urls, procs
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
 
 
 def test_sync_makes_engines_serve_the_learner_weights(two_engines, tmp_path: Path) -> None:

@@ -208,7 +208,8 @@ def test_streamrl_engine_of_kind_sglang_becomes_sglangs_server(tmp_path: Path) -
 
     model = init_tiny_model(tmp_path / "tiny")
     args = [sys.executable, "-m", "streamrl", "engine", "--engine.kind=sglang", f"--shared.model_path={model}",
-            "--engine.port=30123", "--engine.tp_size=2", '--engine.extra_args=["--disable-cuda-graph"]']  # fmt: skip
+            "--engine.port=30123", "--engine.tp_size=2", '--engine.extra_args=["--disable-cuda-graph"]',
+            f"--shared.run_dir={tmp_path / 'run'}"]  # fmt: skip
     missing = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2
     assert "pip install 'streamrl[sglang]'" in missing.stderr + missing.stdout

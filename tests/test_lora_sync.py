@@ -101,12 +101,14 @@ def engine(tmp_path: Path):
 
     model_dir = init_tiny_model(tmp_path / "tiny")
     port = free_port()
-    proc = start_engine(model_dir, port)
+    proc = start_engine(model_dir, port, tmp_path / "run")
     url = f"http://127.0.0.1:{port}"
-    wait_ready(url, proc)
-    yield model_dir, url
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
+    try:  # an engine that never answers still leaves no process behind
+        wait_ready(url, proc)
+        yield model_dir, url
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
 
 
 def _max_diff(a: list[float], b: list[float]) -> float:

@@ -50,9 +50,14 @@ async def slow_engine(tmp_path: Path) -> AsyncIterator[tuple[Path, ServerThread]
 def spawn_worker(
     tmp_path: Path, redis_url: str, shared: SharedConfig, rollout: RolloutConfig, **overrides: Any
 ) -> subprocess.Popen:
-    """``streamrl rollout --config FILE`` with ``rollout`` plus ``overrides``; output in NAME.log."""
+    """``streamrl rollout --config FILE`` with ``rollout`` plus ``overrides``; output in NAME.log, its resolved
+    config in tmp_path/run (not the default runs/default, relative to the checkout)."""
     config = {
-        "shared": {**shared.model_dump(mode="json", exclude_none=True), "redis_url": redis_url},
+        "shared": {
+            **shared.model_dump(mode="json", exclude_none=True),
+            "redis_url": redis_url,
+            "run_dir": str(tmp_path / "run"),
+        },
         "rollout": {**rollout.model_dump(mode="json", exclude_none=True), **overrides},
         "learner": {"groups_per_step": 100},
         "broker": {"max_backlog": 20_000},  # the back-pressure bound of eta 100: (5 + 100 + 1) x 100 groups

@@ -35,14 +35,15 @@ TIMEOUT_S = 20.0
 class Engines:
     """Built-in engine processes on fixed ports, restartable on the same port."""
 
-    def __init__(self, model_dir: Path, count: int) -> None:
+    def __init__(self, model_dir: Path, count: int, run_dir: Path) -> None:
         self.model_dir = model_dir
+        self.run_dir = run_dir
         self.ports = [free_port() for _ in range(count)]
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         self.procs: list[subprocess.Popen | None] = [None] * count
 
     def start(self, i: int) -> None:
-        self.procs[i] = start_engine(self.model_dir, self.ports[i])
+        self.procs[i] = start_engine(self.model_dir, self.ports[i], self.run_dir)
 
     def wait(self, i: int) -> None:
         proc = self.procs[i]
@@ -66,14 +67,16 @@ class Engines:
 def engines(tmp_path: Path):
     from rollout_fleet.model import init_tiny_model
 
-    fleet = Engines(init_tiny_model(tmp_path / "tiny"), 2)
-    for i in range(2):
-        fleet.start(i)
-    for i in range(2):
-        fleet.wait(i)
-    yield fleet
-    for i in range(2):
-        fleet.kill(i)
+    fleet = Engines(init_tiny_model(tmp_path / "tiny"), 2, tmp_path / "run")
+    try:  # an engine that never answers still leaves no process behind
+        for i in range(2):
+            fleet.start(i)
+        for i in range(2):
+            fleet.wait(i)
+        yield fleet
+    finally:
+        for i in range(2):
+            fleet.kill(i)
 
 
 def learner_model(model_dir: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
