@@ -335,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(
             level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s"
         )
-    if "RANK" not in os.environ:  # a rank runs from the file its launcher wrote: leave it as it is
+    # a rank runs from the file its launcher wrote; `plan` is a dry run and writes nothing
+    if "RANK" not in os.environ and name != "plan":
         dump_config(config, resolved_config_path(config, name))
     try:
         return command.run(config)

@@ -42,6 +42,8 @@ ELSEWHERE = {
     "on the CPU with --allow-cpu",
     "gpu_bundle": "tests/test_gpu_bundle.py: --plan-only and --help (the download itself needs a package index, "
     "slow variant)",
+    "mini_engine": "the stand-in engine that tests/test_weight_sync_e2e.py, test_lora_sync.py and the weight_sync "
+    "and colocated benchmarks start as a process",
 }
 # no smoke mode yet, each with the reason: their command lines are checked (imported, --help), not run
 UP_RUN = "whole `streamrl up` runs of the warm-started model, minutes each"

@@ -180,6 +180,7 @@ def test_engine_refuses_a_core_it_does_not_have(tmp_path) -> None:
         "engine",
         "--engine.cpu_affinity=[4096]",
         f"--shared.model_path={tmp_path}",
+        f"--shared.run_dir={tmp_path / 'run'}",
     ]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

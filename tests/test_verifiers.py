@@ -79,7 +79,7 @@ async def test_held_out_evaluation_scores_verifiers_episodes_with_the_rubric(mod
 async def test_without_verifiers_the_task_says_how_to_install_it() -> None:
     """The main environment has no verifiers: the task builds (reward processes import it) and says what to
     install when it is used."""
-    with pytest.raises(TaskError, match="task.verifiers_taskset is required"):
+    with pytest.raises(TaskError, match="verifiers_taskset: Field required"):
         get_task("verifiers")
     task = get_task("verifiers", verifiers_taskset="guess_digit", tokenizer=build_tokenizer())
     assert task.score(task.make_prompt(0), "anything").reward == 0.0
