@@ -297,6 +297,8 @@ def pairs_main(args: argparse.Namespace, model: Path) -> int:
         **one_in_a_thousand(
             "stale_fraction_none", [p["none"]["stale_fraction"] for p in pairs], side="upper"
         ),
+        # the killed run's own share: what tests/test_chaos.py bounds without running a no-kill baseline
+        **one_in_a_thousand("stale_fraction_killed", [r["stale_fraction"] for r in runs], side="upper"),
         "lost": sum(r["lost"] for r in runs),
         "trained_twice": sum(r["trained_twice"] for r in runs),
         # (before, after) the kill, or step KILL_AT without one: does a restarted learner's run stay staler?

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from common.configlib import Section
 from rollout_fleet.sandbox import SandboxConfig
@@ -237,3 +237,44 @@ class RolloutConfig(Section):
         1.0, gt=0, description="Longest wait for a policy-version announcement before the version is re-read."
     )
     metrics_interval_s: float = Field(5.0, gt=0, description="Period of the rollout metrics points in Redis.")
+
+
+class EvalConfig(Section):
+    """Held-out evaluation through the engines while training runs."""
+
+    every_versions: int = Field(
+        5,
+        ge=0,
+        description="Evaluate whenever the policy version advanced this much; 0: no live evaluator "
+        "(`streamrl up` still evaluates before and after).",
+    )
+    heldout_prompts: int = Field(
+        200, ge=1, description="Held-out prompts per evaluation (the task's test split)."
+    )
+    max_new_tokens: int = Field(128, ge=1, description="Output budget of an evaluation sample.")
+    sampled_temperature: float = Field(1.0, gt=0, description="Temperature of the sampled accuracy.")
+    concurrency: int = Field(64, ge=1, description="Evaluation requests in flight at once.")
+    poll_s: float = Field(1.0, gt=0, description="How often the evaluator checks the policy version.")
+    reward: str = Field(
+        "training",
+        description="Held-out scoring: training (rollout.reward.function, else the task's verifier), task, or "
+        "package.module:function.",
+    )
+    samples_per_prompt: int = Field(
+        0,
+        ge=0,
+        description="Sampled answers per held-out prompt before and after training (pass@k up to it); 0: "
+        "rollout.group_size.",
+    )
+    live_samples_per_prompt: int = Field(
+        1,
+        ge=1,
+        description="Sampled answers per held-out prompt in live evaluations (each one is a generation).",
+    )
+
+    @field_validator("reward")
+    @classmethod
+    def _known_reward(cls, value: str) -> str:
+        if value not in ("training", "task") and ":" not in value:
+            raise ValueError(f"{value!r}: expected training, task or package.module:function")
+        return value

@@ -14,8 +14,7 @@ from common.config import SharedConfig
 from common.configlib import Section, load_config
 from common.versioning import admission_capacity
 from learner.config import LearnerConfig, SftConfig
-from rollout_fleet.config import EngineConfig, RolloutConfig
-from rollout_fleet.evaluator import EvalConfig
+from rollout_fleet.config import EngineConfig, EvalConfig, RolloutConfig
 from weight_sync.config import WeightSyncConfig
 
 # Offsets from dashboard.metrics_base_port of the Prometheus endpoints of roles without an HTTP server of their

@@ -246,8 +246,8 @@ def test_step_result_defaults() -> None:
 async def test_held_out_evaluation_runs_multi_turn_tasks_as_episodes(model_dir: Path) -> None:
     """The evaluator runs an environment task's held-out prompts through the same episode runner: each answer
     it scores is a whole transcript (turns and observations), not a single generation."""
+    from rollout_fleet.config import EvalConfig
     from rollout_fleet.evaluator import (
-        EvalConfig,
         Scoring,
         eval_reward,
         evaluate_through_engines,

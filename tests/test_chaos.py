@@ -9,12 +9,12 @@ from the run's records (``streamrl audit`` over the durable per-group outcomes, 
 - every generated group is trained, dropped with a reason, dead-lettered or still waiting in the stream: 0 lost;
 - no group is trained twice;
 - the last step is reached and the final evaluation is of the final policy;
-- the share of generated groups dropped as stale stays within a bound of a run with no kill: for a learner rank,
-  ``EXTRA_STALE_BOUND``, sized from the measured distribution of (kill - no kill) pairs; for every other
-  target, the issue's ``STALE_MARGIN`` (not sized from data).
+- the share of generated groups dropped as stale stays bounded: for a learner rank, ``KILLED_STALE_BOUND``,
+  sized from the measured distribution of that share over killed runs; for every other target, within the
+  issue's ``STALE_MARGIN`` (not sized from data) of a run with no kill.
 
-A learner rank killed under ``up``, with its no-kill baseline, is in the default run; every other kill is
-``slow``.
+A learner rank killed under ``up`` is in the default run; every other kill, and the no-kill baseline they are
+compared with, is ``slow``.
 """
 
 from __future__ import annotations
@@ -47,13 +47,15 @@ from tests.test_up import assert_archive_complete, metrics_base_port
 pytestmark = pytest.mark.timeout(900)
 # The issue's bound: within 5 points of a run with no kill (the targets not measured in pairs).
 STALE_MARGIN = 0.05
-# The extra stale share of a learner-rank-1 kill over a run with no kill, in the same configuration (a pair).
-# `python -m benchmarks.crash_cost --pairs 10 --load` measured 10 pairs beside benchmarks.load's SuiteLoad (the
-# machine this test meets inside `make test`) on 2026-12-05 (benchmarks/results/crash_cost_pairs.2026-12-05_loaded.json):
-# no kill 0.059 to 0.086, kill minus no kill -0.045 to +0.033, mean -0.010, sd 0.021, nothing lost or trained
-# twice. One more pair of a correct system exceeds the Student t prediction bound 0.084 (normal fit 0.055) once
-# in a thousand.
-EXTRA_STALE_BOUND = 0.084
+# The stale share of a run whose learner rank 1 is killed at step KILL_AT. `python -m benchmarks.crash_cost
+# --pairs 10 --load` measured 10 (no kill, kill) pairs beside benchmarks.load's SuiteLoad (the machine this test
+# meets inside `make test`) on 2026-12-05 (benchmarks/results/crash_cost_pairs.2026-12-05_loaded.json): killed
+# 0.041 to 0.092, mean 0.061, sd 0.014; no kill 0.059 to 0.086, mean 0.070; nothing lost or trained twice. One
+# more killed run of a correct system exceeds the Student t prediction bound 0.126 (normal fit 0.105) once in a
+# thousand. This test used to run a no-kill baseline beside it and bound the difference (pairs: sd 0.021, bound
+# 0.084): the pair's difference varies more than the killed run alone (the baseline's own noise adds to it), and
+# the baseline cost a whole `up` run of every `make test`.
+KILLED_STALE_BOUND = 0.126
 
 
 def check_run(run_dir: Path, out: str) -> tuple[dict, dict]:
@@ -96,19 +98,17 @@ def run_with_kill(warm_model: Path, run_dir: Path, target: str) -> tuple[str, di
 
 
 def test_kill_9_of_a_learner_rank_under_up_loses_nothing_and_costs_few_stale_drops(
-    warm_model: Path, baseline: dict, tmp_path: Path
+    warm_model: Path, tmp_path: Path
 ) -> None:
     """In the default run, the kill that only this test covers: a learner rank under `up` (the learner role
-    restarted, the run resumed from its checkpoint), checked from the records (check_run), and its extra stale
-    share over a run with no kill within EXTRA_STALE_BOUND. An engine killed mid-run is covered end to end by
+    restarted, the run resumed from its checkpoint), checked from the records (check_run), and its stale share
+    within KILLED_STALE_BOUND. An engine killed mid-run is covered end to end by
     test_fleet_engines.py and test_weight_sync_e2e.py, the Redis server killed by test_broker_crash.py."""
     out, summary, report = run_with_kill(warm_model, tmp_path / "run", "learner-rank-1")
     assert "learner (pid" in out and "restarting it" in out, out[-3000:]
-    fraction, base = stale_fraction(report), stale_fraction(baseline)
-    assert fraction - base <= EXTRA_STALE_BOUND, (report, baseline)
-    print(
-        f"learner-rank-1: stale {fraction:.3f} (no kill {base:.3f}), audit {report}, wall {summary['wall_seconds']:.0f} s"
-    )
+    fraction = stale_fraction(report)
+    assert fraction <= KILLED_STALE_BOUND, report
+    print(f"learner-rank-1: stale {fraction:.3f}, audit {report}, wall {summary['wall_seconds']:.0f} s")
 
 
 @pytest.mark.slow

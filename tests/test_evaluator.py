@@ -14,8 +14,8 @@ from broker.config import BrokerConfig
 from broker.metrics import MetricsReader, MetricsWriter
 from broker.version import PolicyVersion
 from common.config import SharedConfig
+from rollout_fleet.config import EvalConfig
 from rollout_fleet.evaluator import (
-    EvalConfig,
     Scoring,
     eval_reward,
     evaluator_loop,

@@ -174,8 +174,8 @@ async def test_held_out_evaluation_scores_openenv_episodes_with_the_environment_
     environment's rewards (the task's verifier gives 0): recomputed here from each greedy transcript's actions."""
     import aiohttp
 
+    from rollout_fleet.config import EvalConfig
     from rollout_fleet.evaluator import (
-        EvalConfig,
         Scoring,
         _answers,
         eval_reward,

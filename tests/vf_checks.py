@@ -179,8 +179,8 @@ async def heldout_evaluation(engine_url: str, model_dir: str) -> None:
 
     import aiohttp
 
+    from rollout_fleet.config import EvalConfig
     from rollout_fleet.evaluator import (
-        EvalConfig,
         Scoring,
         _answers,
         eval_reward,

@@ -13,10 +13,11 @@ resume_memory_occupation with tags (section 4).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from weight_sync.buckets import TensorMeta, dtype_name, metas_from_request
-from weight_sync.lora import LoraSpec
+if TYPE_CHECKING:  # imported where used: a client that only sends control requests never loads torch
+    from weight_sync.buckets import TensorMeta
+    from weight_sync.lora import LoraSpec
 
 INIT_GROUP = "/init_weights_update_group"
 UPDATE_DISTRIBUTED = "/update_weights_from_distributed"
@@ -110,6 +111,8 @@ def update_distributed_body(
         raise ValueError("an update needs at least one tensor")
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format = {load_format!r}: expected one of {LOAD_FORMATS}")
+    from weight_sync.buckets import dtype_name
+
     return {
         "names": [m.name for m in metas],
         "dtypes": [dtype_name(m.dtype) for m in metas],
@@ -300,6 +303,8 @@ def parse_update_distributed(body: Any) -> UpdateRequest:
     version = body.get("weight_version")
     if version is not None and not isinstance(version, str):
         raise ValueError(f"{ep}: weight_version = {version!r} must be a string or null")
+    from weight_sync.buckets import metas_from_request
+
     return UpdateRequest(
         metas=metas_from_request(names, dtypes, shapes),
         group_name=body.get("group_name", DEFAULT_GROUP),
@@ -368,6 +373,8 @@ def parse_lora_distributed(body: Any) -> UpdateRequest:
     ep = LOAD_LORA_DISTRIBUTED
     lora_name = _require(body, "lora_name", str, ep)
     config = _require(body, "config_dict", dict, ep)
+    from weight_sync.lora import LoraSpec
+
     spec = LoraSpec.from_config_dict(config, f"{ep}: config_dict")
     req = parse_update_distributed(body)
     return UpdateRequest(**{**req.__dict__, "adapter": spec, "lora_name": lora_name})
