@@ -76,3 +76,24 @@ def test_the_check_finds_a_forbidden_import(tmp_path: Path, package: str, source
         (tmp_path / name / "__init__.py").write_text("")
     (tmp_path / package / "bad.py").write_text(source)
     assert [v.split(": ", 1)[1] for v in violations(tmp_path, ALLOWED)] == [expected]
+
+
+# Modules that must load without torch (about 2 s of every process start on 2 cores): the config tree, which
+# every role's entry and `--help` load first, and what the supervisor and the control-only clients import.
+TORCH_FREE = (
+    "streamrl.config",
+    "streamrl.cli",
+    "streamrl.up",
+    "rollout_fleet.generate_client",
+    "archiver.archive",
+)
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_the_config_tree_and_control_clients_load_without_torch(module: str) -> None:
+    import subprocess
+    import sys
+
+    code = f"import sys, {module}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", f"importing {module} loads {out.stdout.strip()}"
