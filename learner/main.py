@@ -18,9 +18,7 @@ from common.configlib import ConfigError
 from common.cpus import pin_to_cpus
 from common.discovery import resolve_redis_url
 from common.lifecycle import die_with_parent
-from learner.checkpoint import CheckpointDirNotShared, check_shared_directory
 from learner.config import LearnerConfig
-from learner.distributed import init_distributed
 from weight_sync.config import WeightSyncConfig
 
 log = logging.getLogger("streamrl.learner")
@@ -37,7 +35,10 @@ class LearnerSections:
 
 
 def run_rank(cfg: LearnerSections) -> int:
-    """The body of one rank (RANK / WORLD_SIZE / MASTER_* from the environment)."""
+    """The body of one rank (RANK / WORLD_SIZE / MASTER_* from the environment). Its imports are here: the
+    launcher of the ranks (:func:`spawn_ranks`) never loads torch."""
+    from learner.checkpoint import CheckpointDirNotShared, check_shared_directory
+    from learner.distributed import init_distributed
     from learner.publish import VersionOnlyPublisher, WeightSyncPublisher, registry_engines
     from learner.trainer import Learner
 

@@ -79,7 +79,8 @@ def test_the_check_finds_a_forbidden_import(tmp_path: Path, package: str, source
 
 
 # Modules that must load without torch (about 2 s of every process start on 2 cores): the config tree, which
-# every role's entry and `--help` load first, and what the supervisor and the control-only clients import.
+# every role's entry and `--help` load first, what the supervisor, the learner's rank launcher and the
+# control-only clients import.
 TORCH_FREE = (
     "streamrl.config",
     "streamrl.cli",
