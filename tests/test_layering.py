@@ -87,6 +87,7 @@ TORCH_FREE = (
     "streamrl.up",
     "rollout_fleet.generate_client",
     "archiver.archive",
+    "learner.main",
 )
 
 
