@@ -27,7 +27,13 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import write_result
+from benchmarks.common import (
+    add_recorded_run_flags,
+    mode_of,
+    recorded_run_of,
+    smoke_run,
+    write_result,
+)
 from benchmarks.plot import figure, line_chart
 
 ETAS = (0, 1, 2, 4)
@@ -74,6 +80,9 @@ def run_up(
         "--dashboard.port=0", "--dashboard.metrics_base_port=0", "--eval.every_versions=1000000",
         "--up.status_interval_s=30", *placement_args(placement), *extra,
     ]  # fmt: skip
+    recorded = smoke_run()
+    if recorded is not None:
+        return recorded.answer(args, run_dir)
     proc = subprocess.run(args, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"eta={eta}: streamrl up failed:\n{proc.stdout[-3000:]}")
@@ -127,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="15 steps per eta, one seed (about 10 minutes)")
+    add_recorded_run_flags(parser, "15 steps per eta, one seed (about 10 minutes)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (15 quick, 40 full)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per eta (1 quick, 2 full)")
     parser.add_argument(
@@ -138,11 +147,16 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, required=True, help="result JSON (an SVG plot is written beside it)"
     )
     args = parser.parse_args(argv)
-    steps = args.steps or (15 if args.quick else 40)
-    seeds = args.seeds or (1 if args.quick else 2)
-    from streamrl.warm_start import init_warm_model
+    recorded = recorded_run_of(parser, args)
+    mode = mode_of(parser, args)
+    steps = args.steps or {"smoke": 2, "quick": 15, "full": 40}[mode]
+    seeds = args.seeds or (2 if mode == "full" else 1)
+    if recorded is not None:
+        model = recorded.model()
+    else:
+        from streamrl.warm_start import init_warm_model
 
-    model = init_warm_model()
+        model = init_warm_model()
     per_eta: dict[str, list[dict]] = {str(eta): [] for eta in ETAS}
     with tempfile.TemporaryDirectory(prefix="async_vs_sync-") as tmp:
         for seed in range(seeds):
@@ -171,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = write_result(
         args.out,
         benchmark="async_vs_sync",
-        mode="quick" if args.quick else "full",
+        mode=mode,
         params={
             "steps": steps,
             "seeds": seeds,

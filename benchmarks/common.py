@@ -204,3 +204,88 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in text]
     return "\n".join(lines)
+
+
+# -- smoke mode of the benchmarks made of whole `streamrl up` runs -------------------------------------------------
+
+
+class RecordedRun:
+    """The smoke mode of a benchmark made of whole ``streamrl up`` runs (minutes each, several per benchmark).
+
+    Every ``up`` command line the benchmark would start is checked by streamrl's own config loader with the root's
+    cross-role rules (a renamed or refused field fails the smoke run, naming it), and instead of starting it, the
+    run directory of one real short ``up`` run recorded beforehand (``--from-run``) is copied where the benchmark
+    expected its run: the benchmark's own analysis then reads real files (summary.json, metrics, the archive, the
+    run's Redis). What is not exercised is the launch itself and the numbers: a smoke result is no measurement."""
+
+    def __init__(self, recorded: Path) -> None:
+        self.recorded = Path(recorded)
+        summary = self.recorded / "summary.json"
+        if not summary.is_file():
+            raise SystemExit(f"--from-run {recorded}: no summary.json there (a finished `streamrl up` run?)")
+        self.checked: list[
+            list[str]
+        ] = []  # every command line checked, in order (the smoke result lists them)
+
+    def model(self) -> Path:
+        """The recorded run's model, which stands for the warm-started one (no build in smoke mode)."""
+        import tomllib
+
+        config = tomllib.loads((self.recorded / "config.toml").read_text())
+        return Path(config["shared"]["model_path"])
+
+    def check(self, argv: Sequence[str]) -> None:
+        """Validate ``argv`` (``streamrl up``'s arguments, with or without the ``python -m streamrl up`` prefix)."""
+        from common.configlib import ConfigError
+        from streamrl.config import load
+
+        args = list(argv)
+        if "up" in args and args.index("up") < 4:  # drop `python -m streamrl up`
+            args = args[args.index("up") + 1 :]
+        try:
+            load([a for a in args if a != "--resume"])
+        except ConfigError as exc:
+            raise SystemExit(f"smoke: a command line this benchmark runs is refused: {exc}") from None
+        self.checked.append(args)
+
+    def answer(self, argv: Sequence[str], run_dir: Path) -> dict[str, Any]:
+        """Check ``argv``, put the recorded run at ``run_dir`` and return its summary.json."""
+        import shutil
+
+        self.check(argv)
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        shutil.copytree(self.recorded, run_dir, symlinks=True)
+        return json.loads((run_dir / "summary.json").read_text())
+
+
+# Set by a benchmark's --smoke --from-run (benchmarks.async_vs_sync.run_up and the benchmarks' own launches read it).
+SMOKE_RUN: list[RecordedRun] = []
+
+
+def add_recorded_run_flags(parser: argparse.ArgumentParser, quick_help: str) -> None:
+    """``--quick``, ``--smoke`` and ``--from-run`` of a benchmark made of ``up`` runs; :func:`recorded_run_of`."""
+    add_mode_flags(parser, quick_help)
+    parser.add_argument(
+        "--from-run",
+        type=Path,
+        help="--smoke: a finished `streamrl up` run directory that stands for every run (see RecordedRun)",
+    )
+
+
+def recorded_run_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RecordedRun | None:
+    """The smoke mode's recorded run (also installed for :data:`SMOKE_RUN`), or None outside smoke mode."""
+    if mode_of(parser, args) != "smoke":
+        if getattr(args, "from_run", None) is not None:
+            parser.error("--from-run is only for --smoke")
+        return None
+    if args.from_run is None:
+        parser.error("--smoke needs --from-run (a finished `streamrl up` run directory)")
+    run = RecordedRun(args.from_run)
+    SMOKE_RUN[:] = [run]
+    return run
+
+
+def smoke_run() -> RecordedRun | None:
+    """The installed recorded run when a benchmark runs in smoke mode."""
+    return SMOKE_RUN[0] if SMOKE_RUN else None

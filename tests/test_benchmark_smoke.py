@@ -45,12 +45,17 @@ ELSEWHERE = {
     "mini_engine": "the stand-in engine that tests/test_weight_sync_e2e.py, test_lora_sync.py and the weight_sync "
     "and colocated benchmarks start as a process",
 }
+# Benchmarks made of whole `streamrl up` runs: their smoke mode (benchmarks.common.RecordedRun) checks every `up`
+# command line they would start with streamrl's config loader and answers each with the one real short run that
+# the `recorded_run` fixture makes ("{run}"), so their own analysis and result writing run on real files.
+UP_SMOKE = {
+    "async_vs_sync": ["--smoke", "--from-run", "{run}", "--out", "{out}"],
+}
 # no smoke mode yet, each with the reason: their command lines are checked (imported, --help), not run
 UP_RUN = "whole `streamrl up` runs of the warm-started model, minutes each"
 NO_SMOKE_YET = {
     "agentic": f"{UP_RUN}; two per seed, and the tool model's warm start",
     "archive_overhead": f"{UP_RUN}; pairs with and without the archiver",
-    "async_vs_sync": f"{UP_RUN}; one per eta (4)",
     "crash_cost": f"{UP_RUN}; each killed and resumed",
     "launchers": f"{UP_RUN}; pairs under the two launchers (Ray)",
     "learning_gain": f"{UP_RUN}; 10 of tests/test_up.py's configuration",
@@ -72,16 +77,18 @@ def benchmark_modules() -> set[str]:
 
 
 def test_every_benchmark_module_has_a_case() -> None:
-    cases = [*SMOKE, *LOAD, *ELSEWHERE, *NO_SMOKE_YET]
+    cases = [*SMOKE, *UP_SMOKE, *LOAD, *ELSEWHERE, *NO_SMOKE_YET]
     assert len(cases) == len(set(cases)), "a module is listed twice"
     missing, gone = benchmark_modules() - set(cases), set(cases) - benchmark_modules()
     assert not missing, f"benchmark modules without a smoke case in {__file__}: {sorted(missing)}"
     assert not gone, f"smoke cases of modules that are no benchmark (any more): {sorted(gone)}"
 
 
-def run_benchmark(module: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+def run_benchmark(
+    module: str, args: list[str], tmp_path: Path, run: Path | None = None
+) -> subprocess.CompletedProcess:
     out, work = tmp_path / f"{module}.json", tmp_path / "work"
-    argv = [a.format(out=out, work=work) for a in args]
+    argv = [a.format(out=out, work=work, run=run) for a in args]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
         [sys.executable, "-m", f"benchmarks.{module}", *argv],
@@ -96,6 +103,47 @@ def test_smoke_mode_runs_and_writes_its_result_where_told(module: str, tmp_path:
     doc = json.loads((tmp_path / f"{module}.json").read_text())
     assert (doc["benchmark"], doc["mode"]) == (module, "smoke")
     assert doc["results"] and doc["params"]
+
+
+@pytest.fixture(scope="module")
+def recorded_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One real `streamrl up` of the untrained tiny model: 2 steps, 8 held-out prompts (about 40 s on 2 cores)."""
+    from rollout_fleet.model import init_tiny_model
+
+    root = tmp_path_factory.mktemp("recorded")
+    model = init_tiny_model(root / "tiny")
+    args = [
+        sys.executable, "-m", "streamrl", "up", f"--shared.run_dir={root / 'run'}", f"--shared.model_path={model}",
+        "--learner.max_steps=2", "--learner.wandb_mode=disabled", "--dashboard.port=0",
+        "--dashboard.metrics_base_port=0", "--rollout.task.heldout_size=8", "--eval.heldout_prompts=8",
+        "--eval.every_versions=1000000", "--up.status_interval_s=30",
+    ]  # fmt: skip
+    proc = subprocess.run(args, cwd=root, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root / "run"
+
+
+@pytest.mark.parametrize("module", sorted(UP_SMOKE))
+def test_up_run_benchmarks_check_their_command_lines_and_analyse_a_real_run(
+    module: str, recorded_run: Path, tmp_path: Path
+) -> None:
+    proc = run_benchmark(module, UP_SMOKE[module], tmp_path, recorded_run)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / f"{module}.json").read_text())
+    assert (doc["benchmark"], doc["mode"]) == (module, "smoke")
+    assert doc["results"] and doc["params"]
+
+
+def test_a_benchmarks_refused_command_line_fails_its_smoke_run(recorded_run: Path, tmp_path: Path) -> None:
+    """A field the config refuses, in what an up-run benchmark would start, fails the smoke run naming it."""
+    from benchmarks.common import RecordedRun
+
+    recorded = RecordedRun(recorded_run)
+    with pytest.raises(SystemExit, match="learner.no_such_field"):
+        recorded.check(["python", "-m", "streamrl", "up", "--learner.no_such_field=1"])
+    with pytest.raises(SystemExit, match="shared.eta"):
+        recorded.answer(["--shared.eta=-1"], tmp_path / "never")
+    assert not (tmp_path / "never").exists()
 
 
 def test_the_load_runs_its_shortest_round(tmp_path: Path) -> None:
