@@ -310,14 +310,15 @@ class LearnerConfig(Section):
 
 
 class SftConfig(Section):
-    """``streamrl sft``: supervised training of shared.model_path on a JSONL dataset, on the learner's model code
-    (sharded loading, FSDP2 over world_size ranks, checkpoints under RUN_DIR/checkpoints, resumed from the newest
-    one) and an HF export of the result at RUN_DIR/export/latest (docs/sft.md)."""
+    """``streamrl sft``: supervised training of shared.model_path on a JSONL or Parquet dataset, on the learner's
+    model code (sharded loading, FSDP2 over world_size ranks, checkpoints under RUN_DIR/checkpoints, resumed from
+    the newest one) and an HF export of the result at RUN_DIR/export/latest (docs/sft.md)."""
 
     data: str | None = Field(
         None,
-        description="JSONL file: lines of {prompt, completion} (loss on the completion and EOS) or {messages: "
-        "[{role, content, loss?}]} (chat template; loss on assistant turns unless a message's loss says otherwise).",
+        description="A .jsonl/.json (JSON lines) or .parquet file: rows of {prompt, completion} (loss on the "
+        "completion and EOS) or {messages: [{role, content, loss?}]} (chat template; loss on assistant turns unless "
+        "a message's loss says otherwise).",
     )
     world_size: int = Field(1, ge=1, description="Training ranks (gloo on CPU, NCCL on GPU).")
     max_steps: int = Field(100, ge=1, description="Optimizer steps to train.")
@@ -344,7 +345,7 @@ class SftConfig(Section):
     max_seq_len: int | None = Field(
         None,
         ge=2,
-        description="Refuse a dataset line longer than this many tokens (None: the model's context).",
+        description="Refuse a dataset row longer than this many tokens (None: the model's context).",
     )
     checkpoint_every: int = Field(50, ge=1, description="Steps between checkpoints (and one at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="How many complete checkpoints to keep.")

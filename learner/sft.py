@@ -4,8 +4,8 @@ The core (:func:`train_loop`) trains any causal LM in place on examples (token i
 :mod:`learner.sft_data`): per step, the learning rate of :func:`lr_at`, the mean cross-entropy over every masked
 token of the step (:func:`masked_step_loss`, backpropagated piece by piece), clipping by global norm and an AdamW
 step. The warm starts (``streamrl.warm_start``) call it with a dataset and a recipe made from a task;
-``streamrl sft`` (:func:`run_sft`) calls it on an FSDP2-sharded model loaded the learner's way, with a JSONL
-dataset, checkpoints and resume, and an HF export at the end.
+``streamrl sft`` (:func:`run_sft`) calls it on an FSDP2-sharded model loaded the learner's way, with a JSONL or
+Parquet dataset, checkpoints and resume, and an HF export at the end.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from common.configlib import ConfigError
 from common.lifecycle import crash_point
 from common.supervised import Example
 from learner.config import SftConfig
+from learner.sft_data import DataError, data_format, load_examples
 
 log = logging.getLogger("streamrl.sft")
 
@@ -253,8 +254,12 @@ def run_sft(shared: SharedConfig, config: SftConfig, rank_command: list[str]) ->
     """One rank (RANK set: under torchrun, or spawned here), else spawn ``sft.world_size`` ranks."""
     if config.data is None:
         raise ConfigError(
-            "sft.data is not set: give a JSONL file of prompt/completion pairs or chat messages"
+            "sft.data is not set: give a JSONL or Parquet file of prompt/completion pairs or chat messages"
         )
+    try:
+        data_format(config.data)  # a wrong suffix is refused before any rank starts
+    except DataError as exc:
+        raise ConfigError(str(exc)) from None
     if shared.model_path is None:
         raise ConfigError("shared.model_path is not set: streamrl sft trains a Hugging Face model directory")
     for name, value in (("sft.data", config.data), ("shared.model_path", shared.model_path)):
@@ -285,14 +290,13 @@ def _run_rank(shared: SharedConfig, config: SftConfig) -> int:
     from learner.checkpoint import CheckpointManager, CheckpointMeta, export_hf
     from learner.distributed import init_distributed
     from learner.loading import load_sharded
-    from learner.sft_data import DataError, load_jsonl
 
     info = init_distributed(config.pg_timeout_s, shared.torch_threads)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s sft[{info.rank}] %(levelname)s: %(message)s")
     model_path = Path(shared.model_path)  # type: ignore[arg-type]
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     try:
-        examples = load_jsonl(Path(config.data), tokenizer, config.max_seq_len)  # type: ignore[arg-type]
+        examples = load_examples(Path(config.data), tokenizer, config.max_seq_len)  # type: ignore[arg-type]
     except DataError as exc:
         print(f"streamrl sft: {exc}", file=sys.stderr, flush=True)
         os._exit(2)  # a configuration error: restarting cannot help

@@ -1,25 +1,30 @@
-"""The supervised trainer's data: a JSONL file of prompt/completion pairs or chat conversations, tokenized once
-into examples (token ids with a per-token loss mask).
+"""The supervised trainer's data: a JSONL or Parquet file of prompt/completion pairs or chat conversations,
+tokenized once into examples (token ids with a per-token loss mask).
 
-A line is either ``{"prompt": str, "completion": str}`` (loss on the completion and EOS) or
-``{"messages": [{"role": str, "content": str, "loss": bool (optional)}, ...]}`` (loss on the assistant turns
-unless a message's ``loss`` says otherwise). A conversation is rendered with the tokenizer's chat template; a
-message's tokens are what its turn adds to the rendering of the turns before it, and an assistant turn's header
-(the template's generation prompt) never carries loss (another role's turn with ``"loss": true`` is trained
-whole, header included: a template has no generation prompt for it). A bad line is refused with its line number and field.
+A row (a JSONL line, or a Parquet row) is either ``{"prompt": str, "completion": str}`` (loss on the completion
+and EOS) or ``{"messages": [{"role": str, "content": str, "loss": bool (optional)}, ...]}`` (loss on the
+assistant turns unless a message's ``loss`` says otherwise). A conversation is rendered with the tokenizer's chat
+template; a message's tokens are what its turn adds to the rendering of the turns before it, and an assistant
+turn's header (the template's generation prompt) never carries loss (another role's turn with ``"loss": true`` is
+trained whole, header included: a template has no generation prompt for it). The format is the file's suffix;
+both go through the same row checks, and a bad row is refused with its line (row) number and field.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from common.supervised import Example
 
+JSONL_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIX = ".parquet"
+
 
 class DataError(ValueError):
-    """A dataset line that cannot be trained on; the message names the file, the line and the field."""
+    """A dataset row that cannot be trained on; the message names the file, the line (row) and the field."""
 
 
 def prompt_completion_example(tokenizer: Any, prompt: str, completion: str) -> Example:
@@ -86,7 +91,8 @@ def _check_messages(messages: list[Any], where: str) -> None:
 
 
 def line_example(tokenizer: Any, row: Any, where: str) -> Example:
-    """The example of one parsed JSONL line; ``where`` ("FILE line N") prefixes every error."""
+    """The example of one parsed row (a JSONL line or a Parquet row); ``where`` ("FILE line N", "FILE row N")
+    prefixes every error."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: a line must be a JSON object, got {type(row).__name__}")
     if "messages" in row:
@@ -104,25 +110,72 @@ def line_example(tokenizer: Any, row: Any, where: str) -> Example:
     )
 
 
-def load_jsonl(path: Path, tokenizer: Any, max_seq_len: int | None = None) -> list[Example]:
-    """Every line of ``path`` as an example (blank lines skipped); a line longer than ``max_seq_len`` tokens
-    is refused rather than cut, since a cut one would train on a conversation nobody wrote."""
-    examples = []
+def data_format(path: str | Path) -> str:
+    """``"jsonl"`` or ``"parquet"``, from the suffix of ``path``; any other suffix is refused."""
+    suffix = Path(path).suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl"
+    if suffix == PARQUET_SUFFIX:
+        return "parquet"
+    raise DataError(
+        f"sft.data = {str(path)!r}: unknown format {suffix!r}; expected .jsonl or .json (JSON lines) or .parquet"
+    )
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             where = f"{path} line {number}"
             try:
-                row = json.loads(line)
+                yield where, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DataError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
-            example = line_example(tokenizer, row, where)
-            if max_seq_len is not None and len(example.ids) > max_seq_len:
-                raise DataError(
-                    f"{where}: {len(example.ids)} tokens, more than sft.max_seq_len = {max_seq_len}"
-                )
-            examples.append(example)
+
+
+def _without_nulls(value: Any) -> Any:
+    # Parquet has no absent field: a row without a completion, or a message struct without its optional 'loss'
+    # (the column's struct has it for every message), reads as null; dropped, it meets the JSONL checks as missing
+    if isinstance(value, dict):
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow as pa  # only a Parquet dataset pays for the import
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except pa.ArrowException as exc:
+        raise DataError(f"{path}: not a Parquet file ({exc})") from None
+    names = parquet.schema_arrow.names
+    columns = [name for name in ("messages", "prompt", "completion") if name in names]
+    if "messages" not in names and not {"prompt", "completion"} <= set(names):
+        raise DataError(
+            f"{path}: needs column 'messages', or columns 'prompt' and 'completion' (it has {sorted(names)})"
+        )
+    number = 0
+    for group in range(parquet.num_row_groups):  # one row group in memory at a time
+        for row in parquet.read_row_group(group, columns=columns).to_pylist():
+            number += 1
+            yield f"{path} row {number}", _without_nulls(row)
+
+
+def load_examples(path: Path, tokenizer: Any, max_seq_len: int | None = None) -> list[Example]:
+    """Every row of ``path`` (JSONL: blank lines skipped; Parquet) as an example; a row longer than
+    ``max_seq_len`` tokens is refused rather than cut, since a cut one would train on a conversation nobody
+    wrote."""
+    rows = _parquet_rows(path) if data_format(path) == "parquet" else _jsonl_rows(path)
+    examples = []
+    for where, row in rows:
+        example = line_example(tokenizer, row, where)
+        if max_seq_len is not None and len(example.ids) > max_seq_len:
+            raise DataError(f"{where}: {len(example.ids)} tokens, more than sft.max_seq_len = {max_seq_len}")
+        examples.append(example)
     if not examples:
         raise DataError(f"{path}: no examples")
     return examples

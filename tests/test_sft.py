@@ -1,22 +1,26 @@
-"""`streamrl sft`: the JSONL data and its loss masks, the masked loss by hand, and real runs of the command
-(spawned FSDP2 ranks over gloo): the loss falls, 2 ranks agree with 1, a run killed after a checkpoint and
-resumed ends on the weights of an uninterrupted one, bad data is refused naming the line and the field."""
+"""`streamrl sft`: the JSONL and Parquet data and its loss masks, the masked loss by hand, and real runs of the
+command (spawned FSDP2 ranks over gloo): the loss falls, 2 ranks (reading the rows as Parquet) agree with 1, a run
+killed after a checkpoint and resumed ends on the weights of an uninterrupted one, bad data is refused naming the
+line and the field."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from common.supervised import Example
 from learner.sft import TrainRecipe, lr_at, masked_step_loss, step_indices
-from learner.sft_data import DataError, chat_example, load_jsonl
+from learner.sft_data import DataError, chat_example, load_examples
 from rollout_fleet.model import TinyModelSpec, build_model, build_tokenizer, init_tiny_model
 
 # a run of the command is a few seconds on a quiet machine; a loaded 2-core one took minutes
@@ -35,8 +39,14 @@ def write_jsonl(path: Path, rows: list[object]) -> Path:
     return path
 
 
+def write_parquet(path: Path, rows: list[dict[str, object]], row_group_size: int = 3) -> Path:
+    # small row groups: the rows of a dataset span several, and their numbers must run on across them
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=row_group_size)
+    return path
+
+
 def test_a_prompt_completion_line_trains_on_the_completion_and_eos(tmp_path: Path, tokenizer) -> None:
-    (example,) = load_jsonl(
+    (example,) = load_examples(
         write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+2=", "completion": "3"}]), tokenizer
     )
     # the tiny tokenizer has one token per character
@@ -89,7 +99,91 @@ def test_bad_lines_are_refused_naming_the_line_and_the_field(
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(PAIRS[0]) + "\n" + line + "\n")
     with pytest.raises(DataError, match=expected.replace("[", r"\[").replace("]", r"\]")):
-        load_jsonl(path, tokenizer)
+        load_examples(path, tokenizer)
+
+
+CHATS = [
+    {
+        "messages": [
+            {"role": "system", "content": f"add {a}"},
+            {"role": "user", "content": f"{a}+{a}="},
+            {"role": "assistant", "content": "let me see", "loss": False},
+            {"role": "user", "content": "well?", "loss": True},
+            {"role": "assistant", "content": str(2 * a)},
+        ]
+    }
+    for a in range(1, 8)
+]
+
+
+@pytest.mark.parametrize("rows", [PAIRS, CHATS], ids=["prompt_completion", "chat_with_masked_turns"])
+def test_parquet_rows_give_the_examples_of_the_same_jsonl_lines(tmp_path: Path, tokenizer, rows) -> None:
+    parquet = load_examples(write_parquet(tmp_path / "d.parquet", rows), tokenizer)
+    jsonl = load_examples(write_jsonl(tmp_path / "d.jsonl", rows), tokenizer)
+    assert len(parquet) == len(rows) and parquet == jsonl  # the same token ids and loss masks, in order
+    assert any(0 < e.targets < len(e.mask) for e in parquet)  # the masks are not trivial
+
+
+@pytest.mark.parametrize(
+    ("bad", "expected"),
+    [
+        ({"prompt": "1+1=", "completion": None}, "row 5: field 'completion' is missing"),
+        ({"prompt": "1+1=", "completion": ""}, "row 5: field 'completion' is empty"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]},
+            "row 5: messages[1]: field 'content' is missing",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi", "loss": False}]},
+            "row 5: field 'messages' has no turn with loss",
+        ),
+        ({"messages": []}, "row 5: field 'messages' is empty"),
+    ],
+    ids=["no_completion", "empty_completion", "message_without_content", "no_turn_with_loss", "no_messages"],
+)
+def test_a_bad_parquet_row_is_refused_naming_the_row_and_the_field(
+    tmp_path: Path, tokenizer, bad: dict[str, object], expected: str
+) -> None:
+    # row 5 is in the second row group (3 rows each): its number is counted over the file, from 1
+    key = "messages" if "messages" in bad else "prompt"
+    good = CHATS[0] if key == "messages" else PAIRS[0]
+    path = write_parquet(tmp_path / "bad.parquet", [good] * 4 + [bad] + [good])
+    with pytest.raises(DataError, match=re.escape(f"{path} {expected}")):
+        load_examples(path, tokenizer)
+
+
+def test_a_parquet_row_of_the_wrong_type_or_length_is_refused(tmp_path: Path, tokenizer) -> None:
+    path = write_parquet(tmp_path / "ints.parquet", [{"prompt": 3, "completion": "x"}])
+    with pytest.raises(DataError, match=re.escape(f"{path} row 1: field 'prompt' must be a str, got 3")):
+        load_examples(path, tokenizer)
+    path = write_parquet(tmp_path / "long.parquet", PAIRS)
+    with pytest.raises(DataError, match=re.escape(f"{path} row 1: 6 tokens, more than sft.max_seq_len = 5")):
+        load_examples(path, tokenizer, max_seq_len=5)
+
+
+def test_a_parquet_file_without_the_columns_is_refused_naming_its_columns(tmp_path: Path, tokenizer) -> None:
+    for rows in ([{"text": "a", "id": 1}], [{"prompt": "a", "id": 1}]):
+        path = write_parquet(tmp_path / "other.parquet", rows)
+        names = sorted(rows[0])
+        expected = f"{path}: needs column 'messages', or columns 'prompt' and 'completion' (it has {names})"
+        with pytest.raises(DataError, match=re.escape(expected)):
+            load_examples(path, tokenizer)
+    (tmp_path / "junk.parquet").write_text(json.dumps(PAIRS[0]) + "\n")
+    with pytest.raises(DataError, match="junk.parquet: not a Parquet file"):
+        load_examples(tmp_path / "junk.parquet", tokenizer)
+
+
+def test_a_data_file_of_another_suffix_is_refused(tmp_path: Path, tokenizer, capsys) -> None:
+    from streamrl.cli import main
+
+    # the file would read fine as JSON lines: the suffix alone refuses it
+    path = write_jsonl(tmp_path / "train.csv", PAIRS)
+    expected = f"sft.data = {str(path)!r}: unknown format '.csv'"
+    with pytest.raises(DataError, match=re.escape(expected)):
+        load_examples(path, tokenizer)
+    # and the command refuses it before any rank starts
+    assert main(["sft", f"--shared.run_dir={tmp_path / 'run'}", f"--sft.data={path}"]) == 2
+    assert expected in capsys.readouterr().err
 
 
 def test_the_masked_loss_by_hand_and_no_gradient_at_unmasked_positions(tokenizer) -> None:
@@ -166,7 +260,9 @@ def test_sft_lowers_the_loss_and_exports_the_result(one_rank: tuple[Path, Path])
 
 def test_two_ranks_agree_with_one(one_rank: tuple[Path, Path]) -> None:
     tmp, run_dir = one_rank
-    done, two = run_sft(tmp, "two", tmp / "pairs.jsonl", "--sft.world_size=2")
+    # the same rows as Parquet: the command reads them as it reads the JSONL of the one-rank run
+    parquet = write_parquet(tmp / "pairs.parquet", PAIRS)
+    done, two = run_sft(tmp, "two", parquet, "--sft.world_size=2")
     assert done.returncode == 0, done.stderr[-3000:]
     a, b = exported(run_dir), exported(two)
     assert a.keys() == b.keys()
