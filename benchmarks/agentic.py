@@ -2,6 +2,7 @@
 
     python -m benchmarks.agentic --quick --out FILE      # one seed
     python -m benchmarks.agentic --out FILE              # three seeds
+    python -m benchmarks.agentic --smoke --from-run RUN_DIR --out FILE --work DIR   # no run started
 
 The same ``streamrl up`` (embedded default, eta 1) runs ``--rollout.task.name=tool_arithmetic`` from the tool
 warm start (rollout_fleet.tool_warmstart: it knows the call format but calls the tool on a minority of the
@@ -24,12 +25,22 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.async_vs_sync import run_up
-from benchmarks.common import write_result
+from benchmarks.common import (
+    RecordedRun,
+    add_recorded_run_flags,
+    mode_of,
+    recorded_run_of,
+    work_of,
+    write_result,
+)
 from benchmarks.staleness_ablation import cell_stats
 
 STEPS = 60
 ETA = 1
 HELDOUT = 1000
+# 3: the fewest held-out problems with one of each bucket (direct, needs_tool)
+SMOKE = {"steps": 2, "heldout": 3}
+WORK = Path("runs/agentic")
 
 
 def heldout_metrics(model_dir: Path, problems: int) -> dict[str, Any]:
@@ -45,6 +56,15 @@ def heldout_metrics(model_dir: Path, problems: int) -> dict[str, Any]:
     return evaluate_episodes(model, tokenizer, task, prompts)
 
 
+def warm_models(recorded: RecordedRun | None) -> tuple[Path, Path]:
+    """The tool and the single-turn warm starts; in smoke mode the recorded run's model stands for both."""
+    if recorded is not None:
+        return recorded.model(), recorded.model()
+    from streamrl.warm_start import init_tool_warm_model, init_warm_model
+
+    return init_tool_warm_model(), init_warm_model()
+
+
 def seconds_per_step(summary: dict[str, Any]) -> float:
     return (summary["learner_wait_seconds"] + summary["learner_train_seconds"]) / max(summary["steps"], 1)
 
@@ -53,35 +73,38 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="one seed")
+    add_recorded_run_flags(parser, "one seed")
     parser.add_argument("--out", type=Path, required=True, help="result JSON")
-    parser.add_argument("--seeds", type=int, help="seeds (1 quick, 3 full)")
-    parser.add_argument("--steps", type=int, default=STEPS, help=f"learner steps per run (default {STEPS})")
-    parser.add_argument("--heldout", type=int, default=HELDOUT, help=f"held-out problems (default {HELDOUT})")
-    parser.add_argument("--work", type=Path, default=Path("runs/agentic"), help="run directories")
+    parser.add_argument("--seeds", type=int, help="seeds (1 quick and smoke, 3 full)")
+    parser.add_argument("--steps", type=int, help=f"learner steps per run (default {STEPS}; smoke: 2)")
+    parser.add_argument("--heldout", type=int, help=f"held-out problems (default {HELDOUT}; smoke: 3)")
+    parser.add_argument("--work", type=Path, help=f"run directories (default {WORK}; --smoke: required)")
     parser.add_argument("--extra", action="append", default=[], help="one more override for the tool runs")
     args = parser.parse_args(argv)
-    seeds = args.seeds or (1 if args.quick else 3)
-    from streamrl.warm_start import init_tool_warm_model, init_warm_model
-
-    tool_model, plain_model = init_tool_warm_model(), init_warm_model()
-    print(f"held-out episodes of the warm start ({args.heldout} problems) ...", flush=True)
-    before = heldout_metrics(tool_model, args.heldout)
-    evaluator = [f"--rollout.task.heldout_size={min(args.heldout, 500)}", "--eval.heldout_prompts=500"]
+    recorded = recorded_run_of(parser, args)
+    mode = mode_of(parser, args)
+    work = work_of(parser, args, WORK)
+    seeds = args.seeds or (3 if mode == "full" else 1)
+    steps = args.steps or (SMOKE["steps"] if recorded else STEPS)
+    heldout = args.heldout or (SMOKE["heldout"] if recorded else HELDOUT)
+    tool_model, plain_model = warm_models(recorded)
+    print(f"held-out episodes of the warm start ({heldout} problems) ...", flush=True)
+    before = heldout_metrics(tool_model, heldout)
+    evaluator = [f"--rollout.task.heldout_size={min(heldout, 500)}", "--eval.heldout_prompts=500"]
     runs = []
     for seed in range(seeds):
-        tag = f"s{seed}-{len(list(args.work.glob(f'tool-s{seed}-*')))}"  # a fresh directory: never a resume
-        print(f"seed {seed}: tool_arithmetic, {args.steps} steps ...", flush=True)
-        tool_dir = args.work / f"tool-{tag}"
+        tag = f"s{seed}-{len(list(work.glob(f'tool-s{seed}-*')))}"  # a fresh directory: never a resume
+        print(f"seed {seed}: tool_arithmetic, {steps} steps ...", flush=True)
+        tool_dir = work / f"tool-{tag}"
         tool = run_up(
-            tool_dir, ETA, args.steps, tool_model, seed, "shared",
+            tool_dir, ETA, steps, tool_model, seed, "shared",
             ["--rollout.task.name=tool_arithmetic", *evaluator, *args.extra],
         )  # fmt: skip
         if not tool.get("eval_after_is_final_policy"):
             raise RuntimeError(f"seed {seed}: the 'after' evaluation is not of the final policy: {tool}")
-        after = heldout_metrics(tool_dir / "export" / "latest", args.heldout)
-        print(f"seed {seed}: arithmetic (single-turn), {args.steps} steps ...", flush=True)
-        plain = run_up(args.work / f"plain-{tag}", ETA, args.steps, plain_model, seed, "shared", evaluator)
+        after = heldout_metrics(tool_dir / "export" / "latest", heldout)
+        print(f"seed {seed}: arithmetic (single-turn), {steps} steps ...", flush=True)
+        plain = run_up(work / f"plain-{tag}", ETA, steps, plain_model, seed, "shared", evaluator)
         runs.append(
             {
                 "seed": seed,
@@ -105,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             f"needs_tool {before['greedy']['tool_call_rate_needs_tool']:.3f} -> {g['tool_call_rate_needs_tool']:.3f}",
             flush=True,
         )
-    after_greedy = cell_stats([r["after"]["greedy"]["accuracy"] for r in runs], args.heldout)
-    after_tool = cell_stats([r["after"]["greedy"]["accuracy_needs_tool"] for r in runs], args.heldout)
+    after_greedy = cell_stats([r["after"]["greedy"]["accuracy"] for r in runs], heldout)
+    after_tool = cell_stats([r["after"]["greedy"]["accuracy_needs_tool"] for r in runs], heldout)
     ratio = statistics.fmean(
         r["seconds_per_step_multi_turn"] / r["seconds_per_step_single_turn"] for r in runs
     )
@@ -120,12 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     doc = write_result(
         args.out,
         benchmark="agentic",
-        mode="quick" if args.quick else "full",
+        mode=mode,
         params={
-            "steps": args.steps,
+            "steps": steps,
             "seeds": seeds,
             "eta": ETA,
-            "heldout_problems": args.heldout,
+            "heldout_problems": heldout,
             "extra": args.extra,
             "tool_model": str(tool_model),
             "single_turn_model": str(plain_model),

@@ -2,6 +2,7 @@
 
     python -m benchmarks.archive_overhead --quick --out FILE     # 2 pairs of 15-step runs
     python -m benchmarks.archive_overhead --out FILE             # 4 pairs of 30-step runs
+    python -m benchmarks.archive_overhead --smoke --from-run RUN_DIR --out FILE --work DIR   # no run started
 
 Each pair runs the default recipe (warm-started model, eta 1) once with ``archive.enabled`` and once without, in
 alternating order (on-off, off-on, ...) so a drift of the machine does not favour one side. Measured per run:
@@ -28,9 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.async_vs_sync import run_up
-from benchmarks.common import write_result
+from benchmarks.common import add_recorded_run_flags, mode_of, recorded_run_of, work_of, write_result
 
-MODES = {"quick": {"pairs": 2, "steps": 15}, "full": {"pairs": 4, "steps": 30}}
+# smoke: 2 pairs, both orders and the per-pair noise
+MODES = {
+    "smoke": {"pairs": 2, "steps": 2},
+    "quick": {"pairs": 2, "steps": 15},
+    "full": {"pairs": 4, "steps": 30},
+}
 GROUP_SIZE = 8  # the default recipe's samples per prompt
 
 
@@ -76,16 +82,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="2 pairs of 15-step runs (about 8 minutes)")
+    add_recorded_run_flags(parser, "2 pairs of 15-step runs (about 8 minutes)")
     parser.add_argument("--out", type=Path, required=True, help="result JSON")
-    parser.add_argument("--work", type=Path, help="run directories (default: a temporary one)")
+    parser.add_argument(
+        "--work", type=Path, help="run directories (default: a temporary one; --smoke: required)"
+    )
     args = parser.parse_args(argv)
-    mode = "quick" if args.quick else "full"
+    recorded = recorded_run_of(parser, args)
+    mode = mode_of(parser, args)
     pairs, steps = MODES[mode]["pairs"], MODES[mode]["steps"]
-    from streamrl.warm_start import init_warm_model
+    if recorded is not None:
+        model = recorded.model()
+    else:
+        from streamrl.warm_start import init_warm_model
 
-    model = init_warm_model()
-    work = args.work or Path(tempfile.mkdtemp(prefix="archive-overhead-"))
+        model = init_warm_model()
+    work = work_of(parser, args, None) or Path(tempfile.mkdtemp(prefix="archive-overhead-"))
     runs: list[dict[str, Any]] = []
     for pair in range(pairs):
         order = (True, False) if pair % 2 == 0 else (False, True)

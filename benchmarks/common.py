@@ -144,6 +144,18 @@ def check_smoke_path(path: Path, fail: Callable[[str], Any]) -> None:
         fail(f"--smoke writes only outside the checkout (--out {path} is inside {REPO})")
 
 
+def work_of(parser: argparse.ArgumentParser, args: argparse.Namespace, default: Path | None) -> Path | None:
+    """``--work`` (a benchmark's run directories), else ``default``; a smoke run must be given one, outside the
+    checkout (so never the default under runs/)."""
+    if not getattr(args, "smoke", False):
+        return args.work or default
+    if args.work is None:
+        parser.error("--smoke needs --work (outside the checkout)")
+    if args.work.resolve().is_relative_to(REPO):
+        parser.error(f"--smoke writes only outside the checkout (--work {args.work} is inside {REPO})")
+    return args.work
+
+
 def write_result(
     path: Path | str,
     benchmark: str,

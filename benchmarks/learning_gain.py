@@ -4,6 +4,7 @@
     python -m benchmarks.learning_gain --runs 3 --broken lr0 --out FILE      # learning rate ~0
     python -m benchmarks.learning_gain --runs 3 --broken inverted --out FILE # advantages of the wrong sign
     python -m benchmarks.learning_gain --colocated --runs 10 --out FILE      # tests/test_colocated_up.py's run
+    python -m benchmarks.learning_gain --smoke --from-run RUN_DIR --out FILE # 5 runs of 2 steps, none started
 
 Each run is the test's own ``streamrl up`` (:data:`RUN_ARGS`, :data:`STEPS` steps on the warm-started tiny model,
 eta 1, the default 200 held-out problems). Two statistics per run: the final gain (held-out greedy accuracy of
@@ -32,16 +33,31 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import one_in_a_thousand, write_partial, write_result
+from benchmarks.common import (
+    SMOKE_HELP,
+    one_in_a_thousand,
+    recorded_run_of,
+    smoke_run,
+    write_partial,
+    write_result,
+)
 from benchmarks.load import SuiteLoad
 from rollout_fleet.tasks import Prompt, RewardResult
 
 STEPS = 40
-# The run's settings besides the model, the run directory and the ports (tests/test_up.py uses exactly these).
-RUN_ARGS = [
-    "--learner.wandb_mode=disabled", "--learner.checkpoint_every=5", "--up.status_interval_s=5",
-    f"--learner.max_steps={STEPS}", "--learner.keep_checkpoints=100", f"--learner.snapshot_every={STEPS // 2}",
-]  # fmt: skip
+SMOKE_STEPS = 2
+SMOKE_RUNS = 5  # the fewest with the Student t bound (one_in_a_thousand)
+
+
+def run_args(steps: int) -> list[str]:
+    """The run's settings besides the model, the run directory and the ports, for ``steps`` learner steps."""
+    return [
+        "--learner.wandb_mode=disabled", "--learner.checkpoint_every=5", "--up.status_interval_s=5",
+        f"--learner.max_steps={steps}", "--learner.keep_checkpoints=100", f"--learner.snapshot_every={steps // 2}",
+    ]  # fmt: skip
+
+
+RUN_ARGS = run_args(STEPS)  # tests/test_up.py uses exactly these
 BROKEN = {
     "lr0": ["--learner.lr=1e-12"],
     "inverted": ["--rollout.reward.function=benchmarks.learning_gain:inverted_reward"],
@@ -66,13 +82,13 @@ def inverted_reward(prompt: Prompt, completion: str) -> RewardResult:
 LATE_FALL = 0.1  # a final evaluation this far below the run's best counts as a late fall
 
 
-def run_once(run_dir: Path, model: Path, extra: list[str], kills: tuple[tuple[int, str], ...] = ()) -> dict:
+def start_and_wait(args: list[str], run_dir: Path, kills: tuple[tuple[int, str], ...]) -> dict:
+    """Run ``streamrl up`` (``args``), with ``kills`` at their steps; returns its summary.json."""
+    recorded = smoke_run()
+    if recorded is not None:  # smoke: no process started, so no step to wait for and nothing to kill
+        return recorded.answer(args, run_dir)
     from benchmarks.crash_cost import kill, wait_for_step
 
-    args = [
-        sys.executable, "-m", "streamrl", "up", f"--shared.run_dir={run_dir}", f"--shared.model_path={model}",
-        "--dashboard.port=0", "--dashboard.metrics_base_port=0", *RUN_ARGS, *extra,
-    ]  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for step, target in kills:
@@ -85,7 +101,21 @@ def run_once(run_dir: Path, model: Path, extra: list[str], kills: tuple[tuple[in
             proc.wait()
     if proc.returncode != 0:
         raise RuntimeError(f"streamrl up failed:\n{out[-3000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def run_once(
+    run_dir: Path,
+    model: Path,
+    extra: list[str],
+    kills: tuple[tuple[int, str], ...] = (),
+    steps: int = STEPS,
+) -> dict:
+    args = [
+        sys.executable, "-m", "streamrl", "up", f"--shared.run_dir={run_dir}", f"--shared.model_path={model}",
+        "--dashboard.port=0", "--dashboard.metrics_base_port=0", *run_args(steps), *extra,
+    ]  # fmt: skip
+    summary = start_and_wait(args, run_dir, kills)
     return {
         "before": summary["eval_greedy_accuracy_before"],
         "after": summary["eval_greedy_accuracy_after"],
@@ -107,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n")[0],
         epilog="Any other --section.field=value is passed to streamrl up (an ablation of the test's run).",
     )
-    parser.add_argument("--runs", type=int, default=10, help="Runs of the test's configuration (default 10).")
+    parser.add_argument(
+        "--runs", type=int, help=f"Runs of the test's configuration (default 10; smoke: {SMOKE_RUNS})."
+    )
     parser.add_argument("--broken", choices=sorted(BROKEN), help="Run a learner that cannot learn instead.")
     parser.add_argument(
         "--colocated",
@@ -120,14 +152,28 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="Run beside a slice of the test suite in a loop (benchmarks.load).",
     )
+    parser.add_argument(
+        "--smoke", action="store_true", help=f"{SMOKE_RUNS} runs of {SMOKE_STEPS} steps: {SMOKE_HELP}"
+    )
+    parser.add_argument(
+        "--from-run",
+        type=Path,
+        help="--smoke: a finished `streamrl up` run directory that stands for every run",
+    )
     args, up_options = parser.parse_known_args(argv)
     if any(not o.startswith("--") or "=" not in o for o in up_options):
         parser.error(f"{up_options}: other options go to streamrl up, each as --section.field=value")
-    if args.runs < 1:
+    if args.runs is not None and args.runs < 1:
         parser.error(f"--runs = {args.runs}: must be >= 1")
-    from streamrl.warm_start import init_warm_model
+    recorded = recorded_run_of(parser, args)
+    args.runs = args.runs or (SMOKE_RUNS if recorded else 10)
+    steps = SMOKE_STEPS if recorded else STEPS
+    if recorded is not None:
+        model = recorded.model()
+    else:
+        from streamrl.warm_start import init_warm_model
 
-    model = init_warm_model()
+        model = init_warm_model()
     extra = BROKEN.get(args.broken or "", []) + (COLOCATED_ARGS if args.colocated else []) + up_options
     kills = COLOCATED_KILLS if args.colocated else ()
     runs: list[dict] = []
@@ -135,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         load = SuiteLoad(Path(tmp) / "load") if args.load else contextlib.nullcontext()
         with load:
             for i in range(args.runs):
-                run = run_once(Path(tmp) / f"run-{i}", model, extra, kills)
+                run = run_once(Path(tmp) / f"run-{i}", model, extra, kills, steps)
                 runs.append(run)
                 print(
                     f"run {i + 1}/{args.runs}: {run['before']:.3f} -> {run['after']:.3f} (gain "
@@ -150,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         **one_in_a_thousand("best_gain", [r["best_gain"] for r in runs]),
         "late_falls": sum(1 for r in runs if r["best"] - r["after"] >= LATE_FALL),
     }
+    variant = (args.broken or "correct") + (" colocated" if args.colocated else "")
     write_result(
-        args.out, "learning_gain", (args.broken or "correct") + (" colocated" if args.colocated else ""),
-        {"runs": args.runs, "steps": STEPS, "run_args": RUN_ARGS + extra, "kills": kills, "load": load_stats},
+        args.out, "learning_gain", "smoke" if recorded else variant,
+        {"runs": args.runs, "steps": steps, "run_args": run_args(steps) + extra, "kills": kills, "load": load_stats},
         {"runs": runs}, {}, headline,
         model=model,
     )  # fmt: skip

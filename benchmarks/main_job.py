@@ -4,6 +4,7 @@ greedy accuracy on 1,000 problems after the final policy, and the training wall 
     python -m benchmarks.main_job --quick --out FILE      # one seed
     python -m benchmarks.main_job --out FILE              # three seeds
     python -m benchmarks.main_job --out FILE --extra=--learner.lr=2e-4   # a candidate recipe
+    python -m benchmarks.main_job --smoke --from-run RUN_DIR --out FILE --work DIR   # 2 steps, no run started
 
 Aim (issue 18): >= 0.85 within 300 s of training on 2 cores. ``training_wall_seconds`` is the learner's loop,
 from its first request for data to its last step (process start-up and the evaluations are outside it).
@@ -18,15 +19,32 @@ import sys
 from pathlib import Path
 
 from benchmarks.async_vs_sync import run_up
-from benchmarks.common import write_result
+from benchmarks.common import add_recorded_run_flags, mode_of, recorded_run_of, work_of, write_result
 from benchmarks.staleness_ablation import HELDOUT, cell_stats
 
 STEPS = 200  # make run's RUN_ARGS
+WORK = Path("runs/main_job")
 ETA = 1  # the embedded default's shared.eta
 
 
 def _greedy_buckets(buckets: dict) -> dict:
     return {b: {"greedy": v.get("greedy"), "n": int(v.get("n", 0))} for b, v in buckets.items()}
+
+
+def _one_run(s: dict) -> dict:
+    """One run's figures from its summary.json."""
+    return {
+        "eval_reward": s["eval_greedy_accuracy_after"],
+        "eval_reward_before": s["eval_greedy_accuracy_before"],
+        "eval_sampled": s["eval_sampled_accuracy_after"],
+        "training_wall_seconds": s["learner_wait_seconds"] + s["learner_train_seconds"],
+        "process_wall_seconds": s["wall_seconds"],
+        "mean_staleness": s["mean_staleness"],
+        "samples_trained": s["samples_trained"],
+        # Held-out greedy accuracy per digit bucket, before and after ({"digits=3": {"greedy", "n"}}).
+        "buckets_before": _greedy_buckets(s.get("eval_buckets_before", {})),
+        "buckets_after": _greedy_buckets(s.get("eval_buckets_after", {})),
+    }
 
 
 def _ceiling(runs: list[dict], stuck_below: float = 0.1) -> dict:
@@ -58,39 +76,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="one seed (about 7 minutes)")
+    add_recorded_run_flags(parser, "one seed (about 7 minutes)")
     parser.add_argument("--out", type=Path, required=True, help="result JSON")
-    parser.add_argument("--seeds", type=int, help="seeds (1 quick, 3 full)")
-    parser.add_argument("--steps", type=int, default=STEPS, help="learner steps (make run: 200)")
-    parser.add_argument("--work", type=Path, default=Path("runs/main_job"), help="run directories")
+    parser.add_argument("--seeds", type=int, help="seeds (1 quick and smoke, 3 full)")
+    parser.add_argument("--steps", type=int, help=f"learner steps (make run: {STEPS}; smoke: 2)")
+    parser.add_argument("--work", type=Path, help=f"run directories (default {WORK}; --smoke: required)")
     parser.add_argument("--extra", action="append", default=[], help="one more override for every run")
     args = parser.parse_args(argv)
-    seeds = args.seeds or (1 if args.quick else 3)
-    from streamrl.warm_start import init_warm_model
+    recorded = recorded_run_of(parser, args)
+    mode = mode_of(parser, args)
+    work = work_of(parser, args, WORK)
+    seeds = args.seeds or (3 if mode == "full" else 1)
+    steps = args.steps or (2 if mode == "smoke" else STEPS)
+    if recorded is not None:
+        model = recorded.model()
+    else:
+        from streamrl.warm_start import init_warm_model
 
-    model = init_warm_model()
+        model = init_warm_model()
     heldout = [f"--rollout.task.heldout_size={HELDOUT}", f"--eval.heldout_prompts={HELDOUT}"]
     runs = []
     for seed in range(seeds):
-        print(f"seed {seed}: {args.steps} steps ...", flush=True)
-        run_dir = args.work / f"s{seed}-{len(list(args.work.glob(f's{seed}-*')))}"
-        s = run_up(run_dir, ETA, args.steps, model, seed, "shared", [*heldout, *args.extra])
+        print(f"seed {seed}: {steps} steps ...", flush=True)
+        run_dir = work / f"s{seed}-{len(list(work.glob(f's{seed}-*')))}"
+        s = run_up(run_dir, ETA, steps, model, seed, "shared", [*heldout, *args.extra])
         if not s.get("eval_after_is_final_policy"):
             raise RuntimeError(f"seed {seed}: the 'after' evaluation is not of the final policy: {s}")
-        runs.append(
-            {
-                "eval_reward": s["eval_greedy_accuracy_after"],
-                "eval_reward_before": s["eval_greedy_accuracy_before"],
-                "eval_sampled": s["eval_sampled_accuracy_after"],
-                "training_wall_seconds": s["learner_wait_seconds"] + s["learner_train_seconds"],
-                "process_wall_seconds": s["wall_seconds"],
-                "mean_staleness": s["mean_staleness"],
-                "samples_trained": s["samples_trained"],
-                # Held-out greedy accuracy per digit bucket, before and after ({"digits=3": {"greedy", "n"}}).
-                "buckets_before": _greedy_buckets(s.get("eval_buckets_before", {})),
-                "buckets_after": _greedy_buckets(s.get("eval_buckets_after", {})),
-            }
-        )
+        runs.append(_one_run(s))
         print(
             f"  held-out {runs[-1]['eval_reward']:.3f} after {runs[-1]['training_wall_seconds']:.0f} s",
             flush=True,
@@ -101,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     doc = write_result(
         args.out,
         benchmark="main_job",
-        mode="quick" if args.quick else "full",
+        mode=mode,
         params={
-            "steps": args.steps,
+            "steps": steps,
             "seeds": seeds,
             "eta": ETA,
             "heldout_problems": HELDOUT,

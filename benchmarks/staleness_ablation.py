@@ -4,6 +4,7 @@ trained samples (same steps x groups_per_step x group_size), and the mean stalen
 
     python -m benchmarks.staleness_ablation --quick --out FILE     # eta {0, 4, 8}, one seed
     python -m benchmarks.staleness_ablation --out FILE             # full: eta {0, 1, 2, 4, 8}, 3 seeds
+    python -m benchmarks.staleness_ablation --smoke --from-run RUN_DIR --out FILE --work DIR   # no run started
 
 Corrections (everything else is the default recipe):
 
@@ -48,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.async_vs_sync import PLACEMENTS, one_run, run_up
-from benchmarks.common import write_result
+from benchmarks.common import add_recorded_run_flags, mode_of, recorded_run_of, work_of, write_result
 from benchmarks.plot import figure, line_chart
 
 CORRECTIONS: dict[str, list[str]] = {
@@ -68,7 +69,10 @@ SHIPPED_DEFAULT = "none"  # learner.loss.policy_loss's default, ppo
 MODES = {
     "quick": {"etas": [0, 4, 8], "seeds": 1, "steps": 40},
     "full": {"etas": [0, 1, 2, 4, 8], "seeds": 3, "steps": 40},
+    # quick's cells (every default correction's command line checked; etas 0, 4 and 8 give every headline number)
+    "smoke": {"etas": [0, 4, 8], "seeds": 1, "steps": 2},
 }
+WORK = Path("runs/staleness_ablation")
 HELDOUT = 1000
 
 
@@ -166,16 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="eta {0, 4, 8}, one seed (about 45 minutes)")
+    add_recorded_run_flags(parser, "eta {0, 4, 8}, one seed (about 45 minutes)")
     parser.add_argument(
         "--out", type=Path, required=True, help="result JSON (an SVG plot is written beside it)"
     )
     parser.add_argument("--etas", type=int, nargs="+", help="override the mode's etas")
     parser.add_argument("--corrections", nargs="+", choices=sorted(CORRECTIONS), help="subset of corrections")
     parser.add_argument("--seeds", type=int, help="seeds per cell (1 quick, 3 full)")
-    parser.add_argument("--steps", type=int, help="learner steps per run (40)")
+    parser.add_argument("--steps", type=int, help="learner steps per run (40; smoke: 2)")
     parser.add_argument(
-        "--work", type=Path, default=Path("runs/staleness_ablation"), help="per-run results, reused on resume"
+        "--work", type=Path, help=f"per-run results, reused on resume (default {WORK}; --smoke: required)"
     )
     parser.add_argument(
         "--placement",
@@ -198,16 +202,21 @@ def main(argv: list[str] | None = None) -> int:
         help="one more override for every run, e.g. --extra=--learner.lr=2e-4",
     )
     args = parser.parse_args(argv)
-    mode = "quick" if args.quick else "full"
+    recorded = recorded_run_of(parser, args)
+    mode = mode_of(parser, args)
+    work = work_of(parser, args, WORK)
     etas = args.etas or MODES[mode]["etas"]
     seeds = args.seeds or MODES[mode]["seeds"]
     steps = args.steps or MODES[mode]["steps"]
     corrections = args.corrections or DEFAULT_CORRECTIONS
     extra = [f"--learner.min_step_interval_s={args.step_interval}", *args.extra]
-    from streamrl.warm_start import init_warm_model
+    if recorded is not None:
+        model = recorded.model()
+    else:
+        from streamrl.warm_start import init_warm_model
 
-    model = init_warm_model()
-    args.work.mkdir(parents=True, exist_ok=True)
+        model = init_warm_model()
+    work.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {c: {str(e): [] for e in etas} for c in corrections}
     total, done = len(etas) * len(corrections) * seeds, 0
     for seed in range(seeds):
@@ -215,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             for corr in corrections:
                 done += 1
                 print(f"[{done}/{total}] seed {seed} eta={eta} {corr} ...", flush=True)
-                r = cached_run(args.work, run_key(eta, corr, seed, steps, extra), model, args.placement)
+                r = cached_run(work, run_key(eta, corr, seed, steps, extra), model, args.placement)
                 runs[corr][str(eta)].append(r)
                 print(f"  held-out {r['eval_reward']:.3f}, staleness {r['mean_staleness']:.2f}, "
                       f"wall {r['wall_seconds']:.0f} s", flush=True)  # fmt: skip

@@ -49,18 +49,18 @@ ELSEWHERE = {
 # command line they would start with streamrl's config loader and answers each with the one real short run that
 # the `recorded_run` fixture makes ("{run}"), so their own analysis and result writing run on real files.
 UP_SMOKE = {
+    "agentic": ["--smoke", "--from-run", "{run}", "--out", "{out}", "--work", "{work}"],
+    "archive_overhead": ["--smoke", "--from-run", "{run}", "--out", "{out}", "--work", "{work}"],
     "async_vs_sync": ["--smoke", "--from-run", "{run}", "--out", "{out}"],
+    "learning_gain": ["--smoke", "--from-run", "{run}", "--out", "{out}"],
+    "main_job": ["--smoke", "--from-run", "{run}", "--out", "{out}", "--work", "{work}"],
+    "staleness_ablation": ["--smoke", "--from-run", "{run}", "--out", "{out}", "--work", "{work}"],
 }
 # no smoke mode yet, each with the reason: their command lines are checked (imported, --help), not run
 UP_RUN = "whole `streamrl up` runs of the warm-started model, minutes each"
 NO_SMOKE_YET = {
-    "agentic": f"{UP_RUN}; two per seed, and the tool model's warm start",
-    "archive_overhead": f"{UP_RUN}; pairs with and without the archiver",
     "crash_cost": f"{UP_RUN}; each killed and resumed",
     "launchers": f"{UP_RUN}; pairs under the two launchers (Ray)",
-    "learning_gain": f"{UP_RUN}; 10 of tests/test_up.py's configuration",
-    "main_job": f"{UP_RUN}; make run's 200 steps",
-    "staleness_ablation": f"{UP_RUN}; one per eta and correction",
     "vs_trl": f"{UP_RUN} beside TRL's GRPOTrainer",
     "model_scale": "minutes at its smallest shape (qwen2.5-small, 12 M parameters: 2 gloo ranks and fresh processes "
     "per part); tests/test_model_scale.py builds that shape",
