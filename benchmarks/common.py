@@ -138,10 +138,11 @@ def mode_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     return "smoke"
 
 
-def check_smoke_path(path: Path, fail: Callable[[str], Any]) -> None:
-    """Call ``fail`` with the reason when a smoke run's output ``path`` lies inside the checkout."""
+def check_smoke_path(path: Path, fail: Callable[[str], Any], flag: str = "--out") -> None:
+    """Call ``fail`` with the reason when a smoke run's output ``path`` (given as ``flag``) lies inside the
+    checkout."""
     if path.resolve().is_relative_to(REPO):
-        fail(f"--smoke writes only outside the checkout (--out {path} is inside {REPO})")
+        fail(f"--smoke writes only outside the checkout ({flag} {path} is inside {REPO})")
 
 
 def work_of(parser: argparse.ArgumentParser, args: argparse.Namespace, default: Path | None) -> Path | None:
@@ -249,13 +250,14 @@ class RecordedRun:
     def check(self, argv: Sequence[str]) -> None:
         """Validate ``argv`` (``streamrl up``'s arguments, with or without the ``python -m streamrl up`` prefix)."""
         from common.configlib import ConfigError
+        from streamrl.cli import _resume_args
         from streamrl.config import load
 
         args = list(argv)
         if "up" in args and args.index("up") < 4:  # drop `python -m streamrl up`
             args = args[args.index("up") + 1 :]
         try:
-            load([a for a in args if a != "--resume"])
+            load(_resume_args("up", args))  # `--resume RUN_DIR`: that run's config.toml, then the overrides
         except ConfigError as exc:
             raise SystemExit(f"smoke: a command line this benchmark runs is refused: {exc}") from None
         self.checked.append(args)

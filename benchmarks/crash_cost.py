@@ -24,6 +24,10 @@ within a pair) from their distribution: the value one more pair of a correct sys
 most 1/1000 (benchmarks.common.one_in_a_thousand).
 
 ``tests/test_chaos.py`` runs the same targets with the same helpers and asserts on the same records.
+
+``--smoke --from-run RUN`` (benchmarks.common.RecordedRun) checks every command line (``up``, and the supervisor's
+``up --resume``) and analyses the recorded 2-step run for the no-kill run, the supervisor's kill and one pair
+(its result beside ``--out``, ``.pairs.json``); nothing is killed there.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -44,7 +49,15 @@ from typing import Any
 
 import redis
 
-from benchmarks.common import one_in_a_thousand, write_partial, write_result
+from benchmarks.common import (
+    add_recorded_run_flags,
+    mode_of,
+    one_in_a_thousand,
+    recorded_run_of,
+    smoke_run,
+    write_partial,
+    write_result,
+)
 from benchmarks.load import SuiteLoad
 from broker.metrics import metrics_key
 from common.config import SharedConfig
@@ -61,10 +74,26 @@ ALL_TARGETS = (
 RESTARTED_ROLE = {"learner-rank-0": "learner", "learner-rank-1": "learner", "redis-server": "redis"}
 
 
-def up_args(run_dir: Path, model: Path, metrics_base_port: int = 0, *extra: str) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A run's steps and the learner step its target is killed at."""
+
+    steps: int = STEPS
+    kill_at: int = KILL_AT
+
+
+DEFAULT_SHAPE = Shape()
+# --smoke: the recorded run's 2 steps, and the step its analysis splits at (where a kill would have fallen)
+SMOKE_SHAPE = Shape(steps=2, kill_at=1)
+SMOKE_TARGETS = ("up",)  # the supervisor: the kill and the resume, every branch of a run
+
+
+def up_args(
+    run_dir: Path, model: Path, metrics_base_port: int = 0, *extra: str, steps: int = STEPS
+) -> list[str]:
     return [
         sys.executable, "-m", "streamrl", "up", f"--shared.run_dir={run_dir}", f"--shared.model_path={model}",
-        f"--learner.max_steps={STEPS}", "--learner.checkpoint_every=5", "--learner.wandb_mode=disabled",
+        f"--learner.max_steps={steps}", "--learner.checkpoint_every=5", "--learner.wandb_mode=disabled",
         "--dashboard.port=0", f"--dashboard.metrics_base_port={metrics_base_port}", "--eval.heldout_prompts=50",
         "--eval.every_versions=5", "--up.restart_delay_s=0.5", "--up.status_interval_s=5", *extra,
     ]  # fmt: skip
@@ -192,14 +221,20 @@ def stale_fraction(report: dict[str, Any]) -> float:
     return report["dropped_by_reason"].get("stale", 0) / max(1, report["generated"])
 
 
-def run_target(model: Path, run_dir: Path, target: str | None) -> dict[str, Any]:
-    """One run, killing ``target`` at step KILL_AT (None: no kill); the figures of the module docstring."""
-    began = time.monotonic()
-    proc = start(up_args(run_dir, model))
+def launch(model: Path, run_dir: Path, target: str | None, shape: Shape) -> tuple[str, float | None]:
+    """One run to its end, killing ``target`` at step ``shape.kill_at`` (None: no kill; ``up``: the run is
+    resumed). Returns the supervisor's output and the unix time of the kill."""
+    args = up_args(run_dir, model, steps=shape.steps)
+    recorded = smoke_run()
+    if recorded is not None:  # smoke: the recorded run, finished: no step to wait for, nothing to kill
+        recorded.answer(args, run_dir)
+        if target == "up":
+            recorded.check(resume_args(run_dir))
+        return "", None
+    proc = start(args)
     killed_at = None
-    out = ""
     if target is not None:
-        wait_for_step(run_dir, KILL_AT, proc)
+        wait_for_step(run_dir, shape.kill_at, proc)
         killed_at = time.time()
         kill(run_dir, target)
     if target == "up":
@@ -211,12 +246,24 @@ def run_target(model: Path, run_dir: Path, target: str | None) -> dict[str, Any]
             time.sleep(0.2)
         proc = start(resume_args(run_dir))
     out, _ = proc.communicate(timeout=1800)
-    wall = time.monotonic() - began  # start to end, the resume of a killed supervisor included
     if proc.returncode != 0:
         raise RuntimeError(f"{target}: streamrl up failed:\n{out[-3000:]}")
+    return out, killed_at
+
+
+def run_target(
+    model: Path, run_dir: Path, target: str | None, shape: Shape = DEFAULT_SHAPE
+) -> dict[str, Any]:
+    """One run, killing ``target`` at step ``shape.kill_at`` (None: no kill); the figures of the module
+    docstring."""
+    began = time.monotonic()
+    out, killed_at = launch(model, run_dir, target, shape)
+    wall = time.monotonic() - began  # start to end, the resume of a killed supervisor included
     summary = json.loads((run_dir / "summary.json").read_text())
     report = audit(run_dir)
     points, counters, series = run_records(run_dir)
+    if target is not None and killed_at is None:  # smoke: no kill; its time is the recorded step kill_at's
+        killed_at = next(t for t, s in points if s >= shape.kill_at)
     steps = [s for _, s in points]
     after = [t for t, _ in points if killed_at is None or t >= killed_at - 1]
     gaps = [b - a for a, b in zip(after, after[1:], strict=False)]
@@ -246,11 +293,11 @@ def run_target(model: Path, run_dir: Path, target: str | None) -> dict[str, Any]
     }
 
 
-def stale_per_step(run: dict[str, Any]) -> tuple[float, float]:
+def stale_per_step(run: dict[str, Any], kill_at: int = KILL_AT) -> tuple[float, float]:
     """Groups dropped as stale per learner step before and after the kill (a run with no kill: before and after
-    the first point at step KILL_AT), from the run's series."""
+    the first point at step ``kill_at``), from the run's series."""
     rows = [dict(zip(run["series_fields"], row, strict=True)) for row in run["series"]]
-    split = run["killed_at"] or next(r["unix_time"] for r in rows if r["step"] >= KILL_AT)
+    split = run["killed_at"] or next(r["unix_time"] for r in rows if r["step"] >= kill_at)
     before = [r for r in rows if r["unix_time"] < split]
     after = [r for r in rows if r["unix_time"] >= split]
     stale = "total/stale"
@@ -260,20 +307,22 @@ def stale_per_step(run: dict[str, Any]) -> tuple[float, float]:
     return rate_before, rate_after
 
 
-def run_pairs(model: Path, work_dir: Path, target: str, pairs: int, out: Path) -> list[dict[str, Any]]:
+def run_pairs(
+    model: Path, work_dir: Path, target: str, pairs: int, out: Path, shape: Shape = DEFAULT_SHAPE
+) -> list[dict[str, Any]]:
     """``pairs`` pairs of (no kill, ``target``) runs; each pair's figures and its extra stale share. The pairs so
     far are kept beside ``out`` (a long measurement that stops early keeps what it measured)."""
     results: list[dict[str, Any]] = []
     for i in range(pairs):
-        base = run_target(model, work_dir / f"pair-{i}-none", None)
-        killed = run_target(model, work_dir / f"pair-{i}-{target}", target)
+        base = run_target(model, work_dir / f"pair-{i}-none", None, shape)
+        killed = run_target(model, work_dir / f"pair-{i}-{target}", target, shape)
         results.append(
             {
                 "none": base,
                 target: killed,
                 "extra_stale_fraction": killed["stale_fraction"] - base["stale_fraction"],
-                "stale_per_step_none": stale_per_step(base),
-                "stale_per_step_killed": stale_per_step(killed),
+                "stale_per_step_none": stale_per_step(base, shape.kill_at),
+                "stale_per_step_killed": stale_per_step(killed, shape.kill_at),
             }
         )
         print(
@@ -286,11 +335,13 @@ def run_pairs(model: Path, work_dir: Path, target: str, pairs: int, out: Path) -
     return results
 
 
-def pairs_main(args: argparse.Namespace, model: Path) -> int:
+def pairs_main(
+    args: argparse.Namespace, model: Path, mode: str = "full", shape: Shape = DEFAULT_SHAPE
+) -> int:
     with tempfile.TemporaryDirectory(prefix="crash-cost-pairs-") as tmp:
         load = SuiteLoad(Path(tmp) / "load") if args.load else contextlib.nullcontext()
         with load:
-            pairs = run_pairs(model, Path(tmp), args.target, args.pairs, args.out)
+            pairs = run_pairs(model, Path(tmp), args.target, args.pairs, args.out, shape)
     runs = [p[args.target] for p in pairs]
     headline = {
         **one_in_a_thousand("extra_stale_fraction", [p["extra_stale_fraction"] for p in pairs], side="upper"),
@@ -310,8 +361,8 @@ def pairs_main(args: argparse.Namespace, model: Path) -> int:
         ],
     }
     doc = write_result(
-        args.out, "crash_cost", "pairs",
-        {"steps": STEPS, "kill_at": KILL_AT, "target": args.target, "pairs": args.pairs,
+        args.out, "crash_cost", "smoke" if mode == "smoke" else "pairs",
+        {"steps": shape.steps, "kill_at": shape.kill_at, "target": args.target, "pairs": args.pairs,
          "load": load.stats() if isinstance(load, SuiteLoad) else None},
         {"pairs": pairs}, {"lost": ("<=", 0), "trained_twice": ("<=", 0)}, headline, model=model,
     )  # fmt: skip
@@ -323,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.crash_cost", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(DEFAULT_TARGETS)}")
+    add_recorded_run_flags(parser, f"only {', '.join(DEFAULT_TARGETS)}")
     parser.add_argument(
         "--pairs",
         type=int,
@@ -343,21 +394,37 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, required=True, help="Result JSON.")
     args = parser.parse_args(argv)
+    recorded = recorded_run_of(parser, args)
+    mode = mode_of(parser, args)
     if args.pairs < 0:
         parser.error(f"--pairs = {args.pairs}: must be >= 0")
     if args.load and not args.pairs:
         parser.error("--load goes with --pairs")
-    from streamrl.warm_start import init_warm_model
+    if recorded is not None:
+        model = recorded.model()
+    else:
+        from streamrl.warm_start import init_warm_model
 
-    model = init_warm_model()
+        model = init_warm_model()
+    shape = SMOKE_SHAPE if mode == "smoke" else DEFAULT_SHAPE
     if args.pairs:
-        return pairs_main(args, model)
-    targets = DEFAULT_TARGETS if args.quick else ALL_TARGETS
+        return pairs_main(args, model, mode, shape)
+    code = targets_main(args, model, mode, shape)
+    if mode == "smoke":  # the --pairs flow too, one pair: its result beside --out
+        out = args.out.with_name(args.out.stem + ".pairs.json")
+        one_pair = argparse.Namespace(**{**vars(args), "pairs": 1, "out": out})
+        code = max(code, pairs_main(one_pair, model, mode, shape))
+    return code
+
+
+def targets_main(args: argparse.Namespace, model: Path, mode: str, shape: Shape) -> int:
+    """One run a target (and one without a kill), each against the run without."""
+    targets = {"smoke": SMOKE_TARGETS, "quick": DEFAULT_TARGETS, "full": ALL_TARGETS}[mode]
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="crash-cost-") as tmp:
         for target in (None, *targets):
             name = target or "none"
-            results[name] = run_target(model, Path(tmp) / name, target)
+            results[name] = run_target(model, Path(tmp) / name, target, shape)
             print(json.dumps(results[name]), flush=True)
     base = results["none"]
     for name, r in results.items():
@@ -375,9 +442,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     targets_ = {"lost": ("<=", 0), "trained_twice": ("<=", 0), "max_extra_stale_fraction": ("<=", 0.05)}
     doc = write_result(
-        args.out, "crash_cost", "quick" if args.quick else "full",
-        {"steps": STEPS, "kill_at": KILL_AT, "targets": list(targets)}, {"runs": results}, targets_, headline,
-        model=model,
+        args.out, "crash_cost", mode,
+        {"steps": shape.steps, "kill_at": shape.kill_at, "targets": list(targets)}, {"runs": results}, targets_,
+        headline, model=model,
     )  # fmt: skip
     print(json.dumps({k: doc[k] for k in (*headline, "passed")}, indent=2))
     return 0 if doc["passed"] else 1

@@ -2,6 +2,7 @@
 
     python -m benchmarks.launchers --quick --out FILE     # 2 pairs of 15-step runs
     python -m benchmarks.launchers --out FILE             # 4 pairs of 30-step runs
+    python -m benchmarks.launchers --smoke --from-run RUN --out FILE --work DIR   # 1 pair, answered by RUN
 
 Each pair runs the default recipe (warm-started model, eta 1, benchmarks.async_vs_sync.run_up: engines and learner
 on their own halves of the cores) once with each launcher, in alternating order (local-ray, ray-local, ...) so a
@@ -13,6 +14,9 @@ Measured per run: the learner's seconds per step, its loop (waiting for data and
 ``learner_wait_seconds + learner_train_seconds``) over the steps, and its training time alone; ``up``'s wall
 time. Headline (declared before any run): ``ratio_ray_vs_local`` = mean seconds per learner step under Ray / under
 the local supervisor (target <= 1.1), the per-pair ratios beside it.
+
+``--smoke`` (benchmarks.common.RecordedRun): one pair of 2-step runs, each command line checked and answered by
+the recorded run; the Ray cluster is started as in the other modes (nothing joins it).
 """
 
 from __future__ import annotations
@@ -26,9 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.async_vs_sync import run_up
-from benchmarks.common import write_result
+from benchmarks.common import add_recorded_run_flags, check_smoke_path, mode_of, recorded_run_of, write_result
 
-MODES = {"quick": {"pairs": 2, "steps": 15}, "full": {"pairs": 4, "steps": 30}}
+MODES = {
+    "smoke": {"pairs": 1, "steps": 2},
+    "quick": {"pairs": 2, "steps": 15},
+    "full": {"pairs": 4, "steps": 30},
+}
 TARGET = 1.1
 
 
@@ -48,22 +56,10 @@ def one(run_dir: Path, steps: int, model: Path, launcher: str, address: str | No
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="2 pairs of 15-step runs (about 8 minutes)")
-    parser.add_argument("--out", type=Path, required=True, help="result JSON")
-    parser.add_argument("--work", type=Path, help="run directories (default: a temporary one)")
-    args = parser.parse_args(argv)
-    mode = "quick" if args.quick else "full"
-    pairs, steps = MODES[mode]["pairs"], MODES[mode]["steps"]
+def run_pairs(work: Path, pairs: int, steps: int, model: Path) -> list[dict[str, Any]]:
+    """``pairs`` pairs of runs, one under each launcher, in alternating order, beside a one-node Ray cluster."""
     from ray.cluster_utils import Cluster
 
-    from streamrl.warm_start import init_warm_model
-
-    model = init_warm_model()
-    work = args.work or Path(tempfile.mkdtemp(prefix="launchers-"))
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 16, "object_store_memory": 100 * 1024**2, "include_dashboard": False},
@@ -81,6 +77,30 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)  # fmt: skip
     finally:
         cluster.shutdown()
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_recorded_run_flags(parser, "2 pairs of 15-step runs (about 8 minutes)")
+    parser.add_argument("--out", type=Path, required=True, help="result JSON")
+    parser.add_argument("--work", type=Path, help="run directories (default: a temporary one)")
+    args = parser.parse_args(argv)
+    recorded = recorded_run_of(parser, args)
+    mode = mode_of(parser, args)
+    if mode == "smoke" and args.work is not None:
+        check_smoke_path(args.work, parser.error, "--work")
+    pairs, steps = MODES[mode]["pairs"], MODES[mode]["steps"]
+    if recorded is not None:
+        model = recorded.model()
+    else:
+        from streamrl.warm_start import init_warm_model
+
+        model = init_warm_model()
+    work = args.work or Path(tempfile.mkdtemp(prefix="launchers-"))
+    runs = run_pairs(work, pairs, steps, model)
 
     def mean(launcher: str, key: str) -> float:
         return statistics.fmean(r[key] for r in runs if r["launcher"] == launcher)

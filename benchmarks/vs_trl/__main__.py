@@ -18,6 +18,11 @@ same on every side. The target reward is TRL's; ``time_to_target_ratio`` = TRL's
 streamrl's (default eta), > 1 when streamrl is faster. Clocks count training only (held-out evaluation is
 excluded on both sides).
 Writes the JSON to --out and an SVG plot beside it (same name, .svg).
+
+``--smoke --from-run RUN`` (benchmarks.common.RecordedRun; RUN recorded with ``--learner.snapshot_every=1``): one
+seed of 2 steps on both sides at the smallest recipe (trl_side.SMOKE_SIZES), RUN's model for the warm one: TRL's
+GRPOTrainer runs for real; each streamrl command line is checked and answered by RUN, whose snapshots are
+evaluated.
 """
 
 from __future__ import annotations
@@ -36,10 +41,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import write_result
+from benchmarks.common import (
+    add_recorded_run_flags,
+    check_smoke_path,
+    mode_of,
+    recorded_run_of,
+    smoke_run,
+    write_result,
+)
 from benchmarks.plot import figure, line_chart
 from benchmarks.vs_trl.streamrl_side import deployment, run_streamrl
-from benchmarks.vs_trl.trl_side import GRPORecipe
+from benchmarks.vs_trl.trl_side import SMOKE_SIZES, GRPORecipe, one_thread
 from common.config import SharedConfig
 
 DEFAULT_ETA = SharedConfig().eta  # streamrl's default staleness bound
@@ -50,7 +62,7 @@ def run_trl_subprocess(model_dir: Path, recipe: GRPORecipe, out: Path) -> dict[s
     cmd = [
         sys.executable, "-m", "benchmarks.vs_trl.trl_side", "--model", str(model_dir), "--out", str(out),
         "--steps", str(recipe.steps), "--lr", str(recipe.lr), "--seed", str(recipe.seed), "--shuffle-seed", str(recipe.shuffle_seed),
-        "--eval-every", str(recipe.eval_every),
+        "--eval-every", str(recipe.eval_every), *(["--smoke"] if smoke_run() is not None else []),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -125,11 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="30 TRL steps, 45 streamrl steps, one seed (about 12 minutes in all)",
-    )
+    add_recorded_run_flags(parser, "30 TRL steps, 45 streamrl steps, one seed (about 12 minutes in all)")
     parser.add_argument("--steps", type=int, default=None, help="TRL's optimizer steps (30 quick, 60 full)")
     parser.add_argument(
         "--streamrl-steps",
@@ -160,32 +168,52 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, required=True, help="where to write the result JSON")
     args = parser.parse_args(argv)
+    mode = mode_of(parser, args)
+    check_smoke_args(parser, args)
     if args.from_json:
         runs = pooled_runs([json.loads(p.read_text()) for p in args.from_json])
     else:
-        runs = run_all(args)
+        runs = run_all(args, mode)
     doc = summarise(runs, args.out)
     print(f"time_to_target_ratio {doc['time_to_target_ratio']:.2f} (target {doc['target_reward']:.3f}); "
           f"passed: {doc['passed']}")  # fmt: skip
     return 0
 
 
-def run_all(args: argparse.Namespace) -> dict[str, Any]:
+def check_smoke_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--smoke: a recorded run with snapshots (the streamrl side's curve is evaluated from them), and no file
+    written into the checkout."""
+    recorded = recorded_run_of(parser, args)
+    if recorded is None:
+        return
+    if args.from_json:
+        parser.error("--from-json runs nothing: not with --smoke")
+    if args.keep_runs is not None:
+        check_smoke_path(args.keep_runs, parser.error, "--keep-runs")
+    if not any((recorded.recorded / "snapshots").glob("step-*")):
+        parser.error(
+            f"--from-run {recorded.recorded}: no snapshots/step-* (the streamrl side's curve is evaluated from "
+            "them): record that run with --learner.snapshot_every=1"
+        )
+
+
+def run_all(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """Every side for every seed; returns what :func:`summarise` takes."""
-    steps = args.steps or (30 if args.quick else 60)
-    streamrl_steps = args.streamrl_steps or default_streamrl_steps(steps)
+    steps = args.steps or {"smoke": 2, "quick": 30, "full": 60}[mode]
+    # smoke: the recorded run's 2 steps on both sides (its snapshots are the streamrl curve)
+    streamrl_steps = args.streamrl_steps or (steps if mode == "smoke" else default_streamrl_steps(steps))
     if streamrl_steps < steps:
         raise SystemExit(f"--streamrl-steps {streamrl_steps} must be at least --steps {steps}")
-    seeds = args.seeds or (1 if args.quick else 5)
-    from streamrl.warm_start import init_warm_model
-
-    model_dir = Path(init_warm_model())
+    seeds = args.seeds or (5 if mode == "full" else 1)
+    model_dir = warm_model()
+    if mode == "smoke":
+        one_thread()  # this process evaluates the streamrl side's snapshots
     per_seed: dict[str, list[list[dict[str, float]]]] = {}
     runs: dict[str, list[dict[str, Any]]] = {}
     trl: dict[str, Any] = {}
     with runs_directory(args.keep_runs) as tmp:
         for seed in range(args.first_seed, args.first_seed + seeds):
-            recipe = GRPORecipe(steps=steps, eval_every=5, seed=seed, shuffle_seed=seed)
+            recipe = recipe_of(mode, steps, seed)
             print(f"seed {seed}: TRL GRPOTrainer, {steps} steps ...", flush=True)
             trl = run_trl_subprocess(model_dir, recipe, Path(tmp) / f"trl{seed}.json")
             per_seed.setdefault("TRL", []).append(trl["curve"])
@@ -206,8 +234,24 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         "trl_config": trl["trl_config"],
         "streamrl_deployment": deployment(recipe),
     }
-    mode = "quick" if args.quick else "full"
     return {"mode": mode, "params": params, "curves_per_seed": per_seed, "streamrl_runs": runs}
+
+
+def warm_model() -> Path:
+    """The warm-started tiny model; in smoke mode the recorded run's (nothing built)."""
+    recorded = smoke_run()
+    if recorded is not None:
+        return recorded.model()
+    from streamrl.warm_start import init_warm_model
+
+    return Path(init_warm_model())
+
+
+def recipe_of(mode: str, steps: int, seed: int) -> GRPORecipe:
+    """Seed ``seed``'s recipe: the shared one, evaluated every 5 steps; in smoke mode the smallest, every step."""
+    if mode == "smoke":
+        return GRPORecipe(steps=steps, eval_every=1, seed=seed, shuffle_seed=seed, **SMOKE_SIZES)
+    return GRPORecipe(steps=steps, eval_every=5, seed=seed, shuffle_seed=seed)
 
 
 def model_fingerprint(model_dir: Path) -> str:

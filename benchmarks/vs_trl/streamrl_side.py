@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import smoke_run
 from benchmarks.vs_trl.trl_side import Curve, GRPORecipe, heldout_task
 
 
@@ -57,10 +58,15 @@ def run_streamrl(model_dir: Path, recipe: GRPORecipe, eta: int, run_dir: Path) -
     """One `streamrl up` run and its held-out curve (step, samples, training wall seconds, greedy, sampled)."""
     from rollout_fleet.local_eval import evaluate
 
-    proc = subprocess.run(up_command(recipe, eta, run_dir, model_dir), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"streamrl up (eta={eta}) failed; see {run_dir}/logs:\n{proc.stdout[-3000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
+    command = up_command(recipe, eta, run_dir, model_dir)
+    recorded = smoke_run()
+    if recorded is not None:  # smoke: checked, and answered by the recorded run (with its snapshots)
+        summary = recorded.answer(command, run_dir)
+    else:
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"streamrl up (eta={eta}) failed; see {run_dir}/logs:\n{proc.stdout[-3000:]}")
+        summary = json.loads((run_dir / "summary.json").read_text())
     # the clock starts at the run's first rollout request (the design brief's rule), recorded by the rollout worker
     started = summary.get("first_request_at") or summary["training_started_at"]
     curve, task = Curve(), heldout_task(recipe.heldout)

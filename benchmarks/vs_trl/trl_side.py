@@ -38,6 +38,10 @@ class GRPORecipe:
     shuffle_seed: int = 0
 
 
+# --smoke (benchmarks.vs_trl's and this module's): the smallest recipe that still trains groups and evaluates
+SMOKE_SIZES = {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 16, "heldout": 8}
+
+
 @dataclass
 class Curve:
     """Held-out accuracy against optimizer steps, samples and training wall time (evaluation excluded)."""
@@ -152,6 +156,14 @@ def run_trl(model_dir: Path, recipe: GRPORecipe, work_dir: Path) -> dict[str, An
     return {"recipe": asdict(recipe), "curve": curve.points, "trl_config": trl_settings(config)}
 
 
+def one_thread() -> None:
+    """--smoke: torch on one thread; the smoke's model gains nothing from more, and on a loaded machine (tests
+    run two at a time on 2 cores) each matmul's threads wait for each other, 100 x slower."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def trl_settings(config: Any) -> dict[str, Any]:
     """The GRPOConfig fields that decide the update, for the README's side-by-side."""
     names = (
@@ -205,11 +217,18 @@ def main(argv: list[str] | None = None) -> int:
         "--lr-schedule", default="constant", help="constant (streamrl's) or linear (TRL's default)"
     )
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: the warm model)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"the smoke recipe's sizes {SMOKE_SIZES} (benchmarks.vs_trl --smoke)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="where to write the curve JSON")
     args = parser.parse_args(argv)
     from streamrl.warm_start import init_warm_model
 
     model_dir = args.model or init_warm_model()
+    if args.smoke:
+        one_thread()
     recipe = GRPORecipe(
         steps=args.steps,
         lr=args.lr,
@@ -217,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         shuffle_seed=args.shuffle_seed,
         lr_schedule=args.lr_schedule,
         eval_every=args.eval_every,
+        **(SMOKE_SIZES if args.smoke else {}),
     )
     with tempfile.TemporaryDirectory(prefix="trl-") as tmp:
         result = run_trl(Path(model_dir), recipe, Path(tmp))
