@@ -269,8 +269,22 @@ class RecordedRun:
         self.check(argv)
         if run_dir.exists():
             shutil.rmtree(run_dir)
-        shutil.copytree(self.recorded, run_dir, symlinks=True)
+        shutil.copytree(self.recorded, run_dir, symlinks=True, copy_function=self._copy_or_link)
         return json.loads((run_dir / "summary.json").read_text())
+
+    def _copy_or_link(self, src: str, dst: str) -> None:
+        """Weights (checkpoints, exports: two thirds of a run's bytes) are only read: hard-linked. Everything
+        else is copied, since an analysis may write to it (an audit restarts the run's Redis on its AOF)."""
+        import shutil
+
+        part = Path(src).relative_to(self.recorded).parts[0]
+        if part in ("checkpoints", "export"):
+            try:
+                os.link(src, dst)
+                return
+            except OSError:  # another file system
+                pass
+        shutil.copy2(src, dst)
 
 
 # Set by a benchmark's --smoke --from-run (benchmarks.async_vs_sync.run_up and the benchmarks' own launches read it).

@@ -105,6 +105,39 @@ def publish_model_dir(model: Any, tokenizer: Any, path: Path, record: dict[str, 
     staging.rename(path)
 
 
+# ---- the shared build: train a fresh model on a task's data, then record and publish it -----------------------
+
+
+def _train(
+    model: Any,
+    tokenizer: Any,
+    recipe: TrainRecipe,
+    data: Any,
+    stop: Any,
+    label: str,
+    progress: ProgressFn,
+    every: int | None = None,
+) -> Any:
+    """The supervised trainer's loop over ``data`` until ``stop`` says so or ``recipe.max_steps``; its log."""
+    optimizer = make_optimizer(model, recipe)
+    reporter = Progress(progress, label) if every is None else Progress(progress, label, every=every)
+    return train_loop(model, optimizer, recipe, data, tokenizer.pad_token_id, stop, reporter)
+
+
+def _record(key: str, spec: TinyModelSpec, recipe: Any, task: Any, log: Any, stop: Any) -> dict[str, Any]:
+    """What every warm start records in ``warmstart.json``; each adds its own evaluation and timings."""
+    return {
+        "fingerprint": key,
+        "model_spec": asdict(spec),
+        "recipe": asdict(recipe),
+        "task": {"name": task.name, "version": task.version, "seed": task.seed},
+        "steps": log.steps,
+        "reached_target": stop.reached_target,
+        "validation": stop.validation,
+        "losses": log.losses,
+    }
+
+
 # ---- arithmetic ----------------------------------------------------------------------------------------------
 
 
@@ -166,12 +199,8 @@ def _build_arithmetic(path: Path, spec: TinyModelSpec, recipe: WarmStartRecipe, 
     before = evaluate(model, tokenizer, task)
     train_start = time.monotonic()
     stop = arith_ws.ValidationStop(model, tokenizer, task, recipe)
-    trainer = arithmetic_recipe(recipe)
-    optimizer = make_optimizer(model, trainer)
     data = arith_ws.dataset(task, tokenizer, recipe)
-    log = train_loop(
-        model, optimizer, trainer, data, tokenizer.pad_token_id, stop, Progress(progress, "warm-start")
-    )
+    log = _train(model, tokenizer, arithmetic_recipe(recipe), data, stop, "warm-start", progress)
     train_s = time.monotonic() - train_start
     after = evaluate(model, tokenizer, task)
     if progress:
@@ -181,14 +210,7 @@ def _build_arithmetic(path: Path, spec: TinyModelSpec, recipe: WarmStartRecipe, 
             f"{before['sampled_accuracy']:.3f} -> {after['sampled_accuracy']:.3f}"
         )
     record = {
-        "fingerprint": arith_ws.fingerprint(spec, recipe),
-        "model_spec": asdict(spec),
-        "recipe": asdict(recipe),
-        "task": {"name": task.name, "version": task.version, "seed": task.seed},
-        "steps": log.steps,
-        "reached_target": stop.reached_target,
-        "validation": stop.validation,
-        "losses": log.losses,
+        **_record(arith_ws.fingerprint(spec, recipe), spec, recipe, task, log, stop),
         "eval_before": before,
         "eval_after": after,
         "train_seconds": round(train_s, 2),
@@ -228,12 +250,8 @@ def _build_tool(
     model = build_model(spec, tokenizer)
     task = ToolArithmeticTask(tokenizer=tokenizer)
     stop = tool_ws.ToolValidationStop(model, tokenizer, task, recipe)
-    trainer = tool_recipe(recipe)
-    optimizer = make_optimizer(model, trainer)
     data = tool_ws.dataset(task, tokenizer, recipe)
-    log = train_loop(
-        model, optimizer, trainer, data, tokenizer.pad_token_id, stop, Progress(progress, "tool warm-start")
-    )
+    log = _train(model, tokenizer, tool_recipe(recipe), data, stop, "tool warm-start", progress)
     after = tool_ws.evaluate_episodes(model, tokenizer, task, tool_ws.heldout_prompts(task))
     if progress:
         g, s = after["greedy"], after["sampled"]
@@ -243,14 +261,7 @@ def _build_tool(
             f"rate on needs_tool {s['tool_call_rate_needs_tool']:.3f}"
         )
     record = {
-        "fingerprint": key,
-        "model_spec": asdict(spec),
-        "recipe": asdict(recipe),
-        "task": {"name": task.name, "version": task.version, "seed": task.seed},
-        "losses": log.losses,
-        "validation": stop.validation,
-        "steps": log.steps,
-        "reached_target": stop.reached_target,
+        **_record(key, spec, recipe, task, log, stop),
         "eval_after": after,
         "total_seconds": round(time.monotonic() - started, 2),
         "torch_threads": torch.get_num_threads(),
@@ -295,11 +306,8 @@ def _build_long(
     model = build_model(spec, tokenizer)
     task = LongMultiplicationTask()
     stop = long_ws.FormatStop(model, tokenizer, task, recipe)
-    trainer = long_recipe(recipe)
-    optimizer = make_optimizer(model, trainer)
     data = long_ws.ShortDataset(task, tokenizer, recipe)
-    reporter = Progress(progress, "long warm-start", every=25)
-    log = train_loop(model, optimizer, trainer, data, tokenizer.pad_token_id, stop, reporter)
+    log = _train(model, tokenizer, long_recipe(recipe), data, stop, "long warm-start", progress, every=25)
     train_s = time.monotonic() - started
     report = long_ws.heldout_report(model, tokenizer, task, recipe)
     if progress:
@@ -307,14 +315,7 @@ def _build_long(
             f"long warm-start stopped at step {log.steps} (target reached: {stop.reached_target}); {report}"
         )
     record = {
-        "fingerprint": key,
-        "model_spec": asdict(spec),
-        "recipe": asdict(recipe),
-        "task": {"name": task.name, "version": task.version, "seed": task.seed},
-        "steps": log.steps,
-        "reached_target": stop.reached_target,
-        "validation": stop.validation,
-        "losses": log.losses,
+        **_record(key, spec, recipe, task, log, stop),
         "heldout": report,
         "train_seconds": round(train_s, 2),
         "total_seconds": round(time.monotonic() - started, 2),
