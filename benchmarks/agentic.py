@@ -87,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     seeds = args.seeds or (3 if mode == "full" else 1)
     steps = args.steps or (SMOKE["steps"] if recorded else STEPS)
     heldout = args.heldout or (SMOKE["heldout"] if recorded else HELDOUT)
+    if recorded is not None:
+        import torch
+
+        # the tiny model's forwards in this process: beside other busy processes on 2 cores, each matmul's
+        # threads wait for each other (a smoke run measured 7 s idle, 45 s inside the suite)
+        torch.set_num_threads(1)
     tool_model, plain_model = warm_models(recorded)
     print(f"held-out episodes of the warm start ({heldout} problems) ...", flush=True)
     before = heldout_metrics(tool_model, heldout)
