@@ -236,9 +236,6 @@ class RecordedRun:
         summary = self.recorded / "summary.json"
         if not summary.is_file():
             raise SystemExit(f"--from-run {recorded}: no summary.json there (a finished `streamrl up` run?)")
-        self.checked: list[
-            list[str]
-        ] = []  # every command line checked, in order (the smoke result lists them)
 
     def model(self) -> Path:
         """The recorded run's model, which stands for the warm-started one (no build in smoke mode)."""
@@ -260,7 +257,6 @@ class RecordedRun:
             load(_resume_args("up", args))  # `--resume RUN_DIR`: that run's config.toml, then the overrides
         except ConfigError as exc:
             raise SystemExit(f"smoke: a command line this benchmark runs is refused: {exc}") from None
-        self.checked.append(args)
 
     def answer(self, argv: Sequence[str], run_dir: Path) -> dict[str, Any]:
         """Check ``argv``, put the recorded run at ``run_dir`` and return its summary.json."""
