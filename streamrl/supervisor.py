@@ -8,8 +8,9 @@ for its readiness check before the next starts, and the supervisor then watches 
   back-off (``restart_delay_s``, doubling with each restart in the window, at most 30 s), as long as it died at
   most ``max_restarts`` times within ``restart_window_s`` (``restart="on-failure"``: not after a clean exit;
   ``"always"``: also after one). Exit code 2 means a configuration error in every role: restarting cannot
-  help, so the run stops. When the budget is spent, the others are stopped in reverse order (SIGTERM, a grace
-  period, SIGKILL) and ``failure`` says which role and why.
+  help, so the run stops. When the budget is spent, the others are stopped in reverse order of their start
+  stages (SIGTERM to a stage's children together, a grace period, SIGKILL) and ``failure`` says which role and
+  why.
 - A child that exits 0 with ``finishes_run`` ends the run. An inessential child (``essential=False``: the
   archiver) whose budget is spent is left stopped and the run goes on.
 - Every child gets SIGTERM when the supervisor itself dies (``common.lifecycle.die_with_parent``), so a
@@ -93,6 +94,7 @@ class ChildState:
     deaths: deque[float] = field(default_factory=deque)  # monotonic times of the deaths inside the window
     restart_at: float | None = None  # set while it waits out its back-off
     done: bool = False  # exited cleanly and is not restarted
+    stage: int = 0  # which start_together call started it: children of one stage need nothing of each other
 
 
 class ChildFailed(RuntimeError):
@@ -193,8 +195,10 @@ class Supervisor:
         """Start every spec at once, then wait until each is ready: roles that need nothing of each other start
         side by side (two engines' imports overlap each other's and Redis's start-up instead of queueing)."""
         states = []
+        stage = 1 + max((c.stage for c in self.children), default=-1)
         for spec in specs:
-            states.append(ChildState(spec, self._spawn(spec), self.log_dir / f"{spec.name}.log"))
+            log_path = self.log_dir / f"{spec.name}.log"
+            states.append(ChildState(spec, self._spawn(spec), log_path, stage=stage))
             self.children.append(states[-1])
             self._write_records()
         for state in states:
@@ -297,18 +301,25 @@ class Supervisor:
         self._write_records()
 
     def stop_all(self, keep: Collection[str] = ()) -> None:
-        """SIGTERM every live child in reverse start order, wait the grace period, then SIGKILL; the children
-        named in ``keep`` are left running (a later call stops them)."""
-        for state in reversed(self.children):
-            if state.spec.name in keep:
-                continue
-            state.restart_at = None
-            if state.process.poll() is None:
+        """Stop every live child, stage by stage in reverse start order: SIGTERM to all children of a stage at
+        once (they started together, so none needs another of its stage), then each gets the grace period from
+        that signal before SIGKILL. The children named in ``keep`` are left running (a later call stops them)."""
+        for stage in sorted({c.stage for c in self.children}, reverse=True):
+            states = [c for c in self.children if c.stage == stage and c.spec.name not in keep]
+            for state in states:
+                state.restart_at = None
+            live = [c for c in states if c.process.poll() is None]
+            for state in live:
                 log.info("stopping %s (pid %d)", state.spec.name, state.process.pid)
                 state.process.send_signal(signal.SIGTERM)
-                try:
-                    state.process.wait(timeout=self.grace_s)
-                except subprocess.TimeoutExpired:
-                    log.warning("%s did not stop within %.0fs: killing it", state.spec.name, self.grace_s)
-                    state.process.kill()
-                    state.process.wait()
+            deadline = time.monotonic() + self.grace_s
+            for state in live:
+                self._wait_or_kill(state, deadline)
+
+    def _wait_or_kill(self, state: ChildState, deadline: float) -> None:
+        try:
+            state.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0fs: killing it", state.spec.name, self.grace_s)
+            state.process.kill()
+            state.process.wait()

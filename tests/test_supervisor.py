@@ -11,8 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from common.lifecycle import ProcessRecord, read_records
 from streamrl.supervisor import ChildSpec, Supervisor
+
+REPO = Path(__file__).resolve().parents[1]
 
 SLEEPER = "import signal,sys,time; signal.signal(signal.SIGTERM, lambda *a: (print('drained', flush=True), sys.exit(0))); print('up', flush=True); time.sleep(600)"
 
@@ -190,6 +194,36 @@ def test_stop_all_can_keep_a_child_for_a_later_stop(tmp_path: Path) -> None:
     assert redis_like.process.returncode == 0
 
 
+def test_stop_all_stops_a_stage_together_and_the_stages_in_reverse_order(tmp_path: Path) -> None:
+    """Children of one start stage get SIGTERM at once (each drains for a second: one after the other, the second
+    would be signalled after the first had finished); an earlier stage is signalled only once the later one has
+    stopped (a role may need what started before it, e.g. Redis, while it drains)."""
+
+    def draining(name: str) -> ChildSpec:
+        times = tmp_path / f"{name}.times"
+        code = (
+            "import signal,sys,time,pathlib\n"
+            f"p = pathlib.Path({str(times)!r})\n"
+            "def stop(*a):\n"
+            "    p.write_text(repr(time.time())); time.sleep(1.0)\n"
+            "    p.write_text(p.read_text() + ' ' + repr(time.time())); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, stop)\n"
+            f"pathlib.Path({str(tmp_path / name)!r}).touch()\n"
+            "time.sleep(600)\n"
+        )
+        return ChildSpec(name, _py(code), ready=lambda: (tmp_path / name).exists(), ready_timeout_s=30)
+
+    sup = Supervisor(tmp_path / "logs", grace_s=20, poll_s=0.05)
+    sup.start_together([draining("server")])
+    sup.start_together([draining("client-a"), draining("client-b")])
+    sup.stop_all()
+    signalled, finished = {}, {}
+    for name in ("server", "client-a", "client-b"):
+        signalled[name], finished[name] = map(float, (tmp_path / f"{name}.times").read_text().split())
+    assert max(signalled["client-a"], signalled["client-b"]) < min(finished["client-a"], finished["client-b"])
+    assert signalled["server"] >= max(finished["client-a"], finished["client-b"])
+
+
 def test_roles_never_inherit_the_supervisors_distributed_rendezvous(tmp_path: Path, monkeypatch) -> None:
     # `up` started inside a distributed job (or by a benchmark that initialised a group): a learner that saw
     # RANK would take itself for one rank of that job, and MASTER_PORT is already bound
@@ -204,3 +238,38 @@ def test_roles_never_inherit_the_supervisors_distributed_rendezvous(tmp_path: Pa
     env = json.loads(out.read_text())
     assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"} & set(env)
     assert env["STREAMRL_PROBE"] == "kept" and env["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+EXITING = """
+import atexit, os, sys, threading, time
+from common.lifecycle import exit_process
+
+class Teardown:
+    def __init__(self, fd=os.open({teardown!r}, os.O_WRONLY | os.O_CREAT)):
+        self.fd = fd
+
+    def __del__(self, write=os.write):  # run by the interpreter's teardown, not by an atexit handler
+        write(self.fd, b"ran")
+
+kept = Teardown()
+atexit.register(lambda: open({atexit_file!r}, "w").write("ran"))
+if {writer}:  # an unfinished non-daemon thread: its file must still be written
+    threading.Thread(target=lambda: (time.sleep(0.5), open({written!r}, "w").write("done"))).start()
+sys.stdout.write("buffered, no newline")
+exit_process(7)
+"""
+
+
+@pytest.mark.parametrize("writer", [False, True])
+def test_a_role_process_exits_without_teardown_but_runs_its_atexit_handlers(
+    tmp_path: Path, writer: bool
+) -> None:
+    files = {name: tmp_path / name for name in ("teardown", "atexit_file", "written")}
+    code = EXITING.format(writer=writer, **{k: str(v) for k, v in files.items()})
+    out = subprocess.run(_py(code), capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 7 and out.stdout == "buffered, no newline", out.stderr
+    assert files["atexit_file"].read_text() == "ran"
+    if writer:  # the normal exit: it waits for the thread (and tears the modules down)
+        assert files["written"].read_text() == "done"
+    else:  # the quick exit: no module teardown
+        assert files["teardown"].read_text() == ""
