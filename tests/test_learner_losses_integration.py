@@ -1,5 +1,8 @@
-"""Every policy loss, selected on the command line, trains a real learner process (1 rank) from a real Redis
-stream of synthetic groups and publishes a version with a finite loss in its metrics stream."""
+"""Every policy loss trains a real step of the tiny model through the learner's own step function (in process,
+off-policy behaviour log-probs), and a loss selected on the command line reaches a real learner process (1 rank)
+that trains from a real Redis stream of synthetic groups and publishes a version with a finite loss in its
+metrics stream. (Each loss's formula: tests/test_losses.py; its selection by name through the config loader:
+test_every_loss_is_selectable_by_name_and_differs there.)"""
 
 from __future__ import annotations
 
@@ -9,13 +12,18 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 
 from broker.client import BrokerKeys
 from broker.config import BrokerConfig
 from broker.metrics import metrics_key
 from common.config import SharedConfig
+from learner.attention import register_packed_attention
+from learner.config import LearnerConfig, LossConfig
 from learner.losses import POLICY_LOSSES
+from learner.step import train_step
 from rollout_fleet.model import init_tiny_model
+from tests.learner_batch import make_sequences, rank_inputs
 from tests.synth import sample_groups
 from tests.test_learner_train import produce, start_learner
 
@@ -33,8 +41,40 @@ def model_and_groups(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, li
     return model_dir, groups
 
 
-@pytest.mark.parametrize("loss", sorted(POLICY_LOSSES))
-def test_each_policy_loss_trains_one_step(
+def test_each_policy_loss_trains_a_real_step_of_the_model(tmp_path: Path) -> None:
+    """One train_step per loss from the same weights on the same off-policy batch (behaviour log-probs about 0.3
+    nats from the model's, both signs: ratios and weights away from 1, so clipping, truncation and masking all
+    act): each applies a finite, non-zero update, and no two losses give the same loss value or update."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model_dir = init_tiny_model(tmp_path / "model")
+    seqs, temps = make_sequences(12, seed=5, group_size=4)
+    results: dict[str, tuple[float, torch.Tensor]] = {}
+    for loss in sorted(POLICY_LOSSES):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation=register_packed_attention()
+        )
+        config = LearnerConfig(world_size=1, micro_batch_tokens=128, loss=LossConfig(policy_loss=loss))
+        mbs, mb_temps, normaliser = rank_inputs(seqs, temps, config, 1, 0)
+        before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        result = train_step(model, opt, mbs, mb_temps, config, normaliser, learner_version=0)
+        after = torch.cat([p.detach().flatten() for p in model.parameters()])
+        assert result.applied and math.isfinite(result.metrics["loss"]), (loss, result.metrics)
+        assert result.metrics["grad_norm"] > 0 and torch.isfinite(after).all(), loss
+        results[loss] = (result.metrics["loss"], after - before)
+    assert len({round(value, 7) for value, _ in results.values()}) == len(results), results
+    updates = list(results.items())
+    for i, (a, (_, da)) in enumerate(updates):
+        for b, (_, db) in updates[i + 1 :]:
+            assert not torch.allclose(da, db), (a, b)
+
+
+# One loss other than the default through the command line and a real process: the selection reaches the ranks.
+@pytest.mark.parametrize("loss", ["gspo"])
+def test_a_policy_loss_chosen_on_the_command_line_trains_a_learner_process(
     loss: str, model_and_groups: tuple[Path, list], tmp_path: Path, redis_url: str
 ) -> None:
     model_dir, groups = model_and_groups
