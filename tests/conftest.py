@@ -19,6 +19,12 @@ from broker.server import EmbeddedRedis
 from streamrl.supervisor import RANK_ENV
 
 os.environ.setdefault("WANDB_MODE", "disabled")
+# Two workers on two cores: each test process, and every process it starts that does not set its own, computes on
+# one thread (inherited before torch is first imported). torch's default of one thread per core made in-process
+# work spin against the other worker: synthetic sampling of 16 groups (tests/synth.py) took 29.5 CPU seconds at
+# 2 threads against 6.8 s at 1 on the loaded machine. Roles set theirs from shared.torch_threads regardless.
+for _threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_threads, "1")
 RENDEZVOUS_AT_START = {name: os.environ.get(name) for name in RANK_ENV}
 # The warm-started model's build, started in the background when the session will need it (see below).
 WARM_MODEL_PREFETCH: list[subprocess.Popen] = []

@@ -18,6 +18,7 @@ from broker.registry import EngineRegistry
 from common.config import SharedConfig
 from rollout_fleet import fleet as fleet_module
 from rollout_fleet.config import EngineConfig
+from rollout_fleet.engine.main import engine_seed
 from rollout_fleet.fleet import Fleet, FleetError, engine_command
 from rollout_fleet.main import open_worker
 from rollout_fleet.model import init_tiny_model
@@ -162,10 +163,10 @@ def test_builtin_command_passes_the_engine_section_through(tmp_path: Path) -> No
     assert f'--shared.model_path="{tmp_path / "m"}"' in cmd and '--engine.kind="builtin"' in cmd
 
 
-@pytest.mark.parametrize("seed", [None, 7])
-async def test_engines_of_a_fleet_never_share_a_sampling_seed(redis_url: str, tmp_path: Path, seed) -> None:
+async def test_engines_of_a_fleet_never_share_a_sampling_seed(redis_url: str, tmp_path: Path) -> None:
     """Two engines with one seed return identical samples for the same batch: a GRPO group split across them
-    would hold duplicates (measured: 4 of 4 identical before the fix)."""
+    would hold duplicates (measured: 4 of 4 identical before the fix). A real fleet on the default (a random seed
+    per engine process); a configured seed becomes seed + index on each engine's command line."""
     import aiohttp
 
     from rollout_fleet.generate_client import EngineClient, SamplingConfig, build_generate_request
@@ -173,7 +174,7 @@ async def test_engines_of_a_fleet_never_share_a_sampling_seed(redis_url: str, tm
     model_dir = init_tiny_model(tmp_path / "tiny")
     shared = SharedConfig(run_id="seeds", model_path=model_dir, run_dir=tmp_path / "run", http_timeout_s=10.0)
     registry = EngineRegistry(connect(redis_url, BROKER), shared)
-    fleet = Fleet(shared, engine_config(seed=seed), registry, ports=free_ports(2), poll_s=0.2)
+    fleet = Fleet(shared, engine_config(seed=None), registry, ports=free_ports(2), poll_s=0.2)
     try:
         urls = await fleet.start()
         async with aiohttp.ClientSession() as session:
@@ -186,8 +187,11 @@ async def test_engines_of_a_fleet_never_share_a_sampling_seed(redis_url: str, tm
         await fleet.stop()
     same = sum(a.output_ids == b.output_ids for a, b in zip(*answers, strict=True))
     assert same == 0, f"{same} of 4 samples identical across engines"
-    if seed is not None:
-        assert "--engine.seed=8" in engine_command(shared, engine_config(seed=seed), 30001, index=1)
+    commands = [engine_command(shared, engine_config(seed=7), 30000 + i, index=i) for i in range(2)]
+    assert "--engine.seed=7" in commands[0] and "--engine.seed=8" in commands[1]
+    assert engine_seed(7) == 7 and engine_seed(None) != engine_seed(
+        None
+    )  # a random draw of 31 bits each time
 
 
 # A stand-in for SGLang's launcher, put first on PYTHONPATH: it records the command line it was started with and
