@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -58,9 +59,11 @@ UP_SMOKE = {
     "main_job": ["--smoke", "--from-run", "{run}", "--out", "{out}", "--work", "{work}"],
     "staleness_ablation": ["--smoke", "--from-run", "{run}", "--out", "{out}", "--work", "{work}"],
     "crash_cost": ["--smoke", "--from-run", "{run}", "--out", "{out}"],
-    "launchers": ["--smoke", "--from-run", "{run}", "--out", "{out}", "--work", "{work}"],
+    "launchers": ["--smoke", "--from-run", "{run}", "--out", "{out}"],
     "vs_trl": ["--smoke", "--from-run", "{run}", "--out", "{out}"],
 }
+# run without --work: their temporary directories must be gone afterwards (checked with TMPDIR under tmp_path)
+LEAVE_NO_TEMPORARY = {"launchers", "vs_trl"}
 # no smoke mode yet, each with the reason: their command lines are checked (imported, --help), not run
 UP_RUN = "whole `streamrl up` runs of the warm-started model, minutes each"
 NO_SMOKE_YET = {
@@ -89,11 +92,15 @@ def test_every_benchmark_module_has_a_case() -> None:
 
 
 def run_benchmark(
-    module: str, args: list[str], tmp_path: Path, run: Path | None = None
+    module: str,
+    args: list[str],
+    tmp_path: Path,
+    run: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     out, work = tmp_path / f"{module}.json", tmp_path / "work"
     argv = [a.format(out=out, work=work, run=run) for a in args]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", f"benchmarks.{module}", *argv],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=280,
@@ -132,11 +139,50 @@ def recorded_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_up_run_benchmarks_check_their_command_lines_and_analyse_a_real_run(
     module: str, recorded_run: Path, tmp_path: Path
 ) -> None:
-    proc = run_benchmark(module, UP_SMOKE[module], tmp_path, recorded_run)
+    temporary, env = tmp_path / "tmpdir", {}
+    if module in LEAVE_NO_TEMPORARY:
+        temporary.mkdir()
+        # Ray's session directory (its logs and sockets) stays where Ray puts it without this TMPDIR: Ray's, not
+        # the benchmark's, and a socket path under tmp_path would be too long
+        env = {"TMPDIR": str(temporary), "RAY_TMPDIR": os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()}
+    proc = run_benchmark(module, UP_SMOKE[module], tmp_path, recorded_run, env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / f"{module}.json").read_text())
     assert (doc["benchmark"], doc["mode"]) == (module, "smoke")
     assert doc["results"] and doc["params"]
+    if module in LEAVE_NO_TEMPORARY:
+        assert sorted(p.name for p in temporary.iterdir()) == []
+
+
+def test_vs_trl_ends_the_streamrl_curve_at_the_final_policy_when_no_snapshot_is_of_it(
+    recorded_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--streamrl-steps`` under the evaluation interval (5): the learner wrote no snapshot, and the curve's last
+    point is the final policy the run exported (export/latest), evaluated for real, timed when it was written."""
+    import shutil
+
+    import torch
+
+    from benchmarks import common
+    from benchmarks.vs_trl.streamrl_side import run_streamrl
+    from benchmarks.vs_trl.trl_side import SMOKE_SIZES, GRPORecipe
+
+    unsnapped = tmp_path / "recorded"  # the recorded 2-step run as it is with snapshots every 5 steps
+    shutil.copytree(recorded_run, unsnapped, symlinks=True, copy_function=os.link,
+                    ignore=shutil.ignore_patterns("snapshots"))  # fmt: skip
+    recorded = common.RecordedRun(unsnapped)
+    monkeypatch.setattr(common, "SMOKE_RUN", [recorded])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the smoke's own process (trl_side.one_thread): on 2 busy cores, much faster
+    try:
+        recipe = GRPORecipe(steps=2, eval_every=5, **SMOKE_SIZES)
+        run = run_streamrl(recorded.model(), recipe, 1, tmp_path / "run")
+    finally:
+        torch.set_num_threads(threads)
+    final = json.loads((unsnapped / "export" / "latest" / "export.json").read_text())
+    started = run["summary"]["first_request_at"] or run["summary"]["training_started_at"]
+    assert [(p["step"], p["samples"]) for p in run["curve"]] == [(0, 0), (2, 2 * 2 * 2)]
+    assert run["curve"][-1]["wall_seconds"] == round(final["time"] - started, 3)
 
 
 def test_a_benchmarks_refused_command_line_fails_its_smoke_run(recorded_run: Path, tmp_path: Path) -> None:
