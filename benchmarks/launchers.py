@@ -17,15 +17,19 @@ the local supervisor (target <= 1.1), the per-pair ratios beside it.
 
 ``--smoke`` (benchmarks.common.RecordedRun): one pair of 2-step runs, each command line checked and answered by
 the recorded run; the Ray cluster is started as in the other modes (nothing joins it).
+
+Without ``--work`` the run directories go to a temporary directory, removed at the end (also on an error).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,13 +84,25 @@ def run_pairs(work: Path, pairs: int, steps: int, model: Path) -> list[dict[str,
     return runs
 
 
+@contextlib.contextmanager
+def work_directory(work: Path | None) -> Iterator[Path]:
+    """``--work`` as given (left in place), else a temporary directory removed afterwards, also on an error."""
+    if work is not None:
+        yield work
+        return
+    with tempfile.TemporaryDirectory(prefix="launchers-") as tmp:
+        yield Path(tmp)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_recorded_run_flags(parser, "2 pairs of 15-step runs (about 8 minutes)")
     parser.add_argument("--out", type=Path, required=True, help="result JSON")
-    parser.add_argument("--work", type=Path, help="run directories (default: a temporary one)")
+    parser.add_argument(
+        "--work", type=Path, help="run directories, kept (default: a temporary one, removed at the end)"
+    )
     args = parser.parse_args(argv)
     recorded = recorded_run_of(parser, args)
     mode = mode_of(parser, args)
@@ -99,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         from streamrl.warm_start import init_warm_model
 
         model = init_warm_model()
-    work = args.work or Path(tempfile.mkdtemp(prefix="launchers-"))
-    runs = run_pairs(work, pairs, steps, model)
+    with work_directory(args.work) as work:
+        runs = run_pairs(work, pairs, steps, model)
 
     def mean(launcher: str, key: str) -> float:
         return statistics.fmean(r[key] for r in runs if r["launcher"] == launcher)

@@ -2,6 +2,7 @@
 
     python -m benchmarks.model_scale --quick --out runs/model_scale.quick.json   # qwen2.5-small (~12 M)
     python -m benchmarks.model_scale --out benchmarks/results/model_scale.json   # qwen2.5-0.5b (494 M)
+    python -m benchmarks.model_scale --smoke --out /tmp/model_scale.json          # that it runs (~0.1 M)
 
 The model is ``streamrl model init --shape`` (random weights, bf16 on disk, nothing downloaded). Two learner ranks
 (gloo, one thread each, the 2 cores of this machine), each part in fresh processes:
@@ -30,6 +31,11 @@ The model is ``streamrl model init --shape`` (random weights, bf16 on disk, noth
   a plain loop in one process with 2 threads: the same model in fp32, the same token ids, Hugging Face's own
   forward with ``labels`` (cross-entropy), backward, AdamW step. Sequences have equal lengths, so neither pays for
   padding. Target: learner >= 0.9x the plain loop (streamrl's per-step overhead at this size).
+
+``--smoke --out FILE``: every part above, each in fresh processes as in the other modes, at :data:`SMOKE_SHAPE`
+(2 layers of width 64, built in a temporary directory, removed at the end), one repeat of each; its numbers mean
+nothing. Still about 1 to 2 minutes on 2 cores (process starts: 4 of the learner part, an engine per other part),
+so it runs in tests/test_benchmark_smoke.py's slow variant only.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +54,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import format_table, write_result
+from benchmarks.common import add_mode_flags, format_table, mode_of, write_result
+from rollout_fleet.shapes import ModelShape
 
 TARGETS = {
     "ratio_load_peak_whole_vs_sharded": (">=", 1.8),
@@ -56,12 +64,25 @@ TARGETS = {
     "ratio_sync_full_vs_adapter": (">", 1.0),
 }
 MODES = {
+    "smoke": {"shape": "smoke", "sequences": 4, "length": 32, "repeats": 1,
+              "engine": {"requests": 4, "batch": 2, "repeats": 1, "max_new_tokens": 8}, "sync_repeats": 1},
     "quick": {"shape": "qwen2.5-small", "sequences": 8, "length": 256, "repeats": 3,
               "engine": {"requests": 32, "batch": 16, "repeats": 2, "max_new_tokens": 96}, "sync_repeats": 3},
     "full": {"shape": "qwen2.5-0.5b", "sequences": 4, "length": 256, "repeats": 3,
              "engine": {"requests": 32, "batch": 16, "repeats": 2, "max_new_tokens": 64}, "sync_repeats": 3},
 }  # fmt: skip
 PARTS = ("learner", "engine", "sync", "sync_bf16")
+# --smoke's model: the Qwen2 layout at the smallest size that still has grouped KV heads, MLPs and a BPE tokenizer
+SMOKE_SHAPE = ModelShape(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=1024,
+    max_position_embeddings=1024,  # the engine part's context (benchmarks.engine_throughput.CONTEXT)
+    tokenizer_vocab=512,
+)
 WORLD = 2
 
 
@@ -253,13 +274,26 @@ def engine_part(model_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
     return bench.summarize(engine_runs, hf_runs)
 
 
-def run(mode: str, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
-    from rollout_fleet.shapes import SHAPES, init_shaped_model
+def shaped_model(mode: str, root: Path | None) -> tuple[ModelShape, Path]:
+    """The mode's shape and its model directory: the cached ``streamrl model init --shape`` one, or in smoke mode
+    :data:`SMOKE_SHAPE` built under ``root`` (a smoke run writes nothing outside its temporary directory)."""
+    from rollout_fleet.model import save_model_dir
+    from rollout_fleet.shapes import SHAPES, build_bpe_tokenizer, build_shaped_model, init_shaped_model
 
+    if mode != "smoke":
+        name = MODES[mode]["shape"]
+        return SHAPES[name], init_shaped_model(name)
+    assert root is not None, "smoke mode builds its model under a temporary directory"
+    tokenizer = build_bpe_tokenizer(SMOKE_SHAPE.tokenizer_vocab, SMOKE_SHAPE.seed)
+    model = build_shaped_model(SMOKE_SHAPE, tokenizer)
+    return SMOKE_SHAPE, save_model_dir(model, tokenizer, root / "model")
+
+
+def run(mode: str, parts: tuple[str, ...] = PARTS, root: Path | None = None) -> dict[str, Any]:
+    """The ``parts`` at ``mode``'s shape; ``root``: where smoke mode builds its model."""
     spec = dict(MODES[mode])
-    shape = SHAPES[spec["shape"]]
+    shape, model_dir = shaped_model(mode, root)
     spec["vocab"] = shape.tokenizer_vocab
-    model_dir = init_shaped_model(spec["shape"])
     results: dict[str, Any] = {
         "model": {"shape": spec["shape"], "parameters": shape.parameters(), "dir": str(model_dir)}
     }
@@ -284,7 +318,11 @@ def run(mode: str, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
 
         print(f"weight sync ({dtype}): whole model against LoRA adapters ...", file=sys.stderr)
         params, sync, sync_headline = lora_sync.run(
-            "quick", 64.0, model_dir=model_dir, repeats=spec["sync_repeats"], dtype=dtype
+            "smoke" if mode == "smoke" else "quick",
+            64.0,
+            model_dir=model_dir,
+            repeats=spec["sync_repeats"],
+            dtype=dtype,
         )
         results[part] = {"params": params, **sync}
         headline.update(
@@ -373,29 +411,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.model_scale", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--quick", action="store_true", help="the small shape (qwen2.5-small), minutes")
+    add_mode_flags(parser, "the small shape (qwen2.5-small), minutes")
     parser.add_argument("--out", type=Path, required=True, help="results JSON")
     parser.add_argument(
         "--parts", default=",".join(PARTS), help=f"comma-separated parts to run (default {','.join(PARTS)})"
     )
     args = parser.parse_args(argv)
-    mode = "quick" if args.quick else "full"
+    mode = mode_of(parser, args)
     parts = tuple(p for p in args.parts.split(",") if p)
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         parser.error(f"--parts = {args.parts!r}: {unknown} are not parts; the parts are {list(PARTS)}")
-    got = run(mode, parts)
-    targets = {k: v for k, v in TARGETS.items() if k in got["headline"]}
-    doc = write_result(
-        args.out,
-        "model_scale",
-        mode,
-        got["params"],
-        got["results"],
-        targets,
-        got["headline"],
-        got["model_dir"],
-    )
+    # smoke: the model is built in a temporary directory, hashed into the result, then removed
+    scratch = tempfile.TemporaryDirectory(prefix="model_scale-smoke-") if mode == "smoke" else nullcontext()
+    with scratch as root:
+        got = run(mode, parts, None if root is None else Path(root))
+        targets = {k: v for k, v in TARGETS.items() if k in got["headline"]}
+        doc = write_result(
+            args.out,
+            "model_scale",
+            mode,
+            got["params"],
+            got["results"],
+            targets,
+            got["headline"],
+            got["model_dir"],
+        )
     rows = [[k, f"{v:.3g}" if isinstance(v, float) else v] for k, v in got["headline"].items()]
     print(format_table(["measure", "value"], rows))
     print(f"targets passed: {doc['passed']}")

@@ -176,6 +176,24 @@ def test_streamrl_may_train_past_trl_and_its_reward_at_trl_samples_is_reported(t
     assert doc["results"]["sides"]["streamrl eta=1"]["mean_reward_over_evaluations"] == pytest.approx(0.525)
 
 
+def test_runs_shorter_than_the_evaluation_interval_are_summarised_at_their_final_policy(
+    tmp_path: Path,
+) -> None:
+    """--steps 2 --streamrl-steps 3 (both under 5): each side's curve is its start and its final policy."""
+    import json
+
+    trl = [curve((0, 0, 0.4), (2, 10, 0.5))]
+    ours = [curve((0, 0, 0.4), (3, 6, 0.6))]  # its one evaluation lies past TRL's sample count
+    doc = json.loads(_result_file(tmp_path, "a.json", [0], trl, ours).read_text())
+    assert (doc["trl_final_reward"], doc["streamrl_final_reward"]) == (
+        0.5,
+        0.6,
+    )  # not averaged with the start
+    assert doc["streamrl_final_step"] == 3 and doc["per_step_speed_ratio"] == pytest.approx(5 / 2)
+    assert doc["results"]["sides"]["streamrl eta=1"]["mean_reward_over_evaluations"] is None
+    assert doc["time_to_target_ratio"] == pytest.approx(10 / 6)
+
+
 def test_the_final_reward_margin_measures_both_sides_the_way_the_target_measures_trl(tmp_path: Path) -> None:
     import json
 

@@ -5,9 +5,9 @@ here fails :func:`test_every_benchmark_module_has_a_case`.
 
 The benchmarks made of whole ``streamrl up`` runs (minutes each, several per benchmark) run in smoke mode on one
 real short run that this module records (:data:`UP_SMOKE`, ``benchmarks.common.RecordedRun``): their command lines
-are checked by the config loader, their analysis reads the recorded run's files. model_scale alone has no smoke
-mode (:data:`NO_SMOKE_YET`, with the reason): it is imported and its parser built (``--help``). See
-docs/benchmarks.md."""
+are checked by the config loader, their analysis reads the recorded run's files. model_scale's smoke mode alone
+is too slow for ``make test`` (:data:`NO_SMOKE_YET`, with the reason): there it is imported and its parser built
+(``--help``), and the slow variant runs its smoke. See docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -58,16 +59,18 @@ UP_SMOKE = {
     "main_job": ["--smoke", "--from-run", "{run}", "--out", "{out}", "--work", "{work}"],
     "staleness_ablation": ["--smoke", "--from-run", "{run}", "--out", "{out}", "--work", "{work}"],
     "crash_cost": ["--smoke", "--from-run", "{run}", "--out", "{out}"],
-    "launchers": ["--smoke", "--from-run", "{run}", "--out", "{out}", "--work", "{work}"],
+    "launchers": ["--smoke", "--from-run", "{run}", "--out", "{out}"],
     "vs_trl": ["--smoke", "--from-run", "{run}", "--out", "{out}"],
 }
+# run without --work: their temporary directories must be gone afterwards (checked with TMPDIR under tmp_path)
+LEAVE_NO_TEMPORARY = {"launchers", "vs_trl"}
 # no smoke mode yet, each with the reason: their command lines are checked (imported, --help), not run
 UP_RUN = "whole `streamrl up` runs of the warm-started model, minutes each"
 NO_SMOKE_YET = {
-    "model_scale": "not made of up runs, and about 70 s at its smallest shape (qwen2.5-small, 12 M parameters) with "
-    "the fewest sequences, requests and repeats, over a smoke's 30 s: on 2 loaded cores the learner part's 3 loads "
-    "on 2 fresh gloo ranks and its plain loop's process took 50 s, the engine part 6.5 s, each sync part 6 s; "
-    "tests/test_model_scale.py builds that shape",
+    "model_scale": "its --smoke (SMOKE_SHAPE, 0.14 M parameters, every part, one repeat) takes 110 to 210 s on 2 "
+    "loaded cores, over a smoke's 30 s, and a smaller shape saves nothing: the time is process starts (at load 5: "
+    "the learner part's 3 loads on 2 fresh gloo ranks and its plain loop's process 60 s, the engine part 13 s, each "
+    "sync part 14 s, imports and the model 7 s); run by the slow test_model_scale_smoke_runs_every_part below",
 }
 
 
@@ -89,14 +92,19 @@ def test_every_benchmark_module_has_a_case() -> None:
 
 
 def run_benchmark(
-    module: str, args: list[str], tmp_path: Path, run: Path | None = None
+    module: str,
+    args: list[str],
+    tmp_path: Path,
+    run: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 280,
 ) -> subprocess.CompletedProcess:
     out, work = tmp_path / f"{module}.json", tmp_path / "work"
     argv = [a.format(out=out, work=work, run=run) for a in args]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", f"benchmarks.{module}", *argv],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=280,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
 
@@ -132,11 +140,50 @@ def recorded_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_up_run_benchmarks_check_their_command_lines_and_analyse_a_real_run(
     module: str, recorded_run: Path, tmp_path: Path
 ) -> None:
-    proc = run_benchmark(module, UP_SMOKE[module], tmp_path, recorded_run)
+    temporary, env = tmp_path / "tmpdir", {}
+    if module in LEAVE_NO_TEMPORARY:
+        temporary.mkdir()
+        # Ray's session directory (its logs and sockets) stays where Ray puts it without this TMPDIR: Ray's, not
+        # the benchmark's, and a socket path under tmp_path would be too long
+        env = {"TMPDIR": str(temporary), "RAY_TMPDIR": os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()}
+    proc = run_benchmark(module, UP_SMOKE[module], tmp_path, recorded_run, env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / f"{module}.json").read_text())
     assert (doc["benchmark"], doc["mode"]) == (module, "smoke")
     assert doc["results"] and doc["params"]
+    if module in LEAVE_NO_TEMPORARY:
+        assert sorted(p.name for p in temporary.iterdir()) == []
+
+
+def test_vs_trl_ends_the_streamrl_curve_at_the_final_policy_when_no_snapshot_is_of_it(
+    recorded_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--streamrl-steps`` under the evaluation interval (5): the learner wrote no snapshot, and the curve's last
+    point is the final policy the run exported (export/latest), evaluated for real, timed when it was written."""
+    import shutil
+
+    import torch
+
+    from benchmarks import common
+    from benchmarks.vs_trl.streamrl_side import run_streamrl
+    from benchmarks.vs_trl.trl_side import SMOKE_SIZES, GRPORecipe
+
+    unsnapped = tmp_path / "recorded"  # the recorded 2-step run as it is with snapshots every 5 steps
+    shutil.copytree(recorded_run, unsnapped, symlinks=True, copy_function=os.link,
+                    ignore=shutil.ignore_patterns("snapshots"))  # fmt: skip
+    recorded = common.RecordedRun(unsnapped)
+    monkeypatch.setattr(common, "SMOKE_RUN", [recorded])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the smoke's own process (trl_side.one_thread): on 2 busy cores, much faster
+    try:
+        recipe = GRPORecipe(steps=2, eval_every=5, **SMOKE_SIZES)
+        run = run_streamrl(recorded.model(), recipe, 1, tmp_path / "run")
+    finally:
+        torch.set_num_threads(threads)
+    final = json.loads((unsnapped / "export" / "latest" / "export.json").read_text())
+    started = run["summary"]["first_request_at"] or run["summary"]["training_started_at"]
+    assert [(p["step"], p["samples"]) for p in run["curve"]] == [(0, 0), (2, 2 * 2 * 2)]
+    assert run["curve"][-1]["wall_seconds"] == round(final["time"] - started, 3)
 
 
 def test_a_benchmarks_refused_command_line_fails_its_smoke_run(recorded_run: Path, tmp_path: Path) -> None:
@@ -183,6 +230,29 @@ def test_the_benchmarks_without_a_smoke_mode_import_and_parse_their_command_line
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.split() == [w for name in NO_SMOKE_YET for w in ("ok", name)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_model_scale_smoke_runs_every_part_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """model_scale's --smoke (in NO_SMOKE_YET: too slow for make test): every part's headline written, the model
+    built in its own temporary directory (nothing in the model cache), nothing left in TMPDIR but torch's
+    compile cache (torchinductor_USER, torch's own, kept across runs by design)."""
+    temporary, cache = tmp_path / "tmpdir", tmp_path / "cache"
+    temporary.mkdir()
+    env = {"TMPDIR": str(temporary), "STREAMRL_CACHE": str(cache)}
+    proc = run_benchmark("model_scale", ["--smoke", "--out", "{out}"], tmp_path, env=env, timeout=850)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "model_scale.json").read_text())
+    assert (doc["benchmark"], doc["mode"], doc["params"]["shape"]) == ("model_scale", "smoke", "smoke")
+    every_part = (
+        "ratio_load_peak_whole_vs_sharded", "load_seconds_broadcast", "ratio_train_learner_vs_plain",
+        "ratio_checkpoint_wait_sync_vs_async", "ratio_engine_vs_hf_generate", "ratio_sync_full_vs_adapter",
+        "ratio_sync_bf16_full_vs_adapter",
+    )  # fmt: skip
+    assert [k for k in every_part if not doc.get(k)] == []
+    left = [p.name for p in temporary.iterdir() if not p.name.startswith("torchinductor_")]
+    assert not cache.exists() and left == []
 
 
 @pytest.mark.parametrize(

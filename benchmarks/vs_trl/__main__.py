@@ -13,7 +13,8 @@ beats TRL per sample, a coin flip for two implementations of one update. streamr
 is reported beside it (``streamrl_reward_at_trl_samples``), so the per-sample comparison stays in view.
 
 Each side runs ``--seeds`` times (seed s: sampling, learner and prompt order); curves are averaged point-wise over
-seeds. A side's final reward is the mean of its last two held-out greedy evaluations (``final_reward_of``), the
+seeds. Each side evaluates every 5 steps and its final policy; a side's final reward is the mean of its last two
+held-out greedy evaluations after the start (``final_reward_of``: one, when a run is shorter than 5 steps), the
 same on every side. The target reward is TRL's; ``time_to_target_ratio`` = TRL's training time to reach it /
 streamrl's (default eta), > 1 when streamrl is faster. Clocks count training only (held-out evaluation is
 excluded on both sides).
@@ -71,9 +72,13 @@ def run_trl_subprocess(model_dir: Path, recipe: GRPORecipe, out: Path) -> dict[s
 
 
 def final_reward_of(curve: list[dict[str, float]]) -> float:
-    """A side's final reward: the mean of its last two held-out evaluations (one evaluation is one step's draw;
-    two halve the last-step noise). TRL's is the target; every side's is measured this one way."""
-    last = [p["greedy"] for p in curve[-2:]]
+    """A side's final reward: the mean of its last two held-out evaluations after the start (one evaluation is
+    one step's draw; two halve the last-step noise; a run with one evaluation after the start, shorter than the
+    evaluation interval, has its final policy's alone). TRL's is the target; every side's is measured this one
+    way."""
+    last = [p["greedy"] for p in curve[1:][-2:]]
+    if not last:
+        raise ValueError("a curve without an evaluation after the start has no final reward")
     return sum(last) / len(last)
 
 
@@ -88,6 +93,7 @@ def side_summary(
     """One side's mean curve against the target; ``trl_samples``: TRL's sample count, for the reward there."""
     hit = first_reaching(curve, target)
     steps = curve[-1]["step"]
+    upto = [p["greedy"] for p in curve[1:] if trl_samples is None or p["samples"] <= trl_samples]
     at_trl = next((p["greedy"] for p in curve if p["samples"] == trl_samples), None)
     return {
         "final_reward": final_reward_of(curve),
@@ -98,10 +104,8 @@ def side_summary(
         "wall_seconds": curve[-1]["wall_seconds"],
         "seconds_per_step": curve[-1]["wall_seconds"] / steps if steps else None,
         # the curve's mean over its evaluations after the start, up to TRL's sample count (comparable across
-        # sides): learning per sample in one number
-        "mean_reward_over_evaluations": statistics.fmean(
-            p["greedy"] for p in curve[1:] if trl_samples is None or p["samples"] <= trl_samples
-        ),
+        # sides): learning per sample in one number; None when none falls there (a run shorter than the interval)
+        "mean_reward_over_evaluations": statistics.fmean(upto) if upto else None,
         "time_to_target": hit["wall_seconds"] if hit else None,
         "samples_to_target": hit["samples"] if hit else None,
     }
@@ -169,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="where to write the result JSON")
     args = parser.parse_args(argv)
     mode = mode_of(parser, args)
+    for flag, value in (("--steps", args.steps), ("--streamrl-steps", args.streamrl_steps)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} {value}: must be at least 1")
     check_smoke_args(parser, args)
     if args.from_json:
         runs = pooled_runs([json.loads(p.read_text()) for p in args.from_json])

@@ -3,7 +3,10 @@ held-out curve from the learner's snapshots (evaluated after the run with the sa
 
 The clock starts at the run's first rollout request (process start-up and the baseline evaluation are before
 it) and each point's time is when the learner wrote that step's snapshot, so held-out evaluation is
-outside the clock, as on the TRL side.
+outside the clock, as on the TRL side. The curve ends at the final policy, as TRL's does: when the last step is no
+multiple of the snapshot interval (``--streamrl-steps`` under or between evaluation points), the final point is
+the learner's end-of-run export (RUN_DIR/export/latest), timed when it was written (after the final checkpoint, a
+little late).
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def up_command(recipe: GRPORecipe, eta: int, run_dir: Path, model_dir: Path) -> 
         f"--rollout.group_size={recipe.group_size}", f"--learner.lr={recipe.lr}",
         f"--rollout.temperature={recipe.temperature}", f"--rollout.max_new_tokens={recipe.max_new_tokens}",
         f"--rollout.shuffle_seed={recipe.shuffle_seed}", f"--learner.seed={recipe.seed}",
-        f"--learner.snapshot_every={recipe.eval_every}", "--learner.loss.eps_high=0.2",
+        f"--learner.snapshot_every={recipe.eval_every}", "--learner.export_at_end=true",  # the final policy
+        "--learner.loss.eps_high=0.2",
         "--learner.loss.policy_loss=decoupled_ppo",  # what the committed side-by-side results ran (docs/vs_trl.md)
         "--learner.wandb_mode=disabled", "--dashboard.port=0", "--dashboard.metrics_base_port=0",
         "--up.status_interval_s=30", *deployment(recipe),
@@ -71,13 +75,11 @@ def run_streamrl(model_dir: Path, recipe: GRPORecipe, eta: int, run_dir: Path) -
     started = summary.get("first_request_at") or summary["training_started_at"]
     curve, task = Curve(), heldout_task(recipe.heldout)
     curve.add(0, 0, 0.0, baseline(model_dir, recipe.heldout, recipe.max_new_tokens))
-    for snap in sorted((run_dir / "snapshots").glob("step-*")):
-        info = json.loads((snap / "snapshot.json").read_text())
-        scores = evaluate(snap, task=task, n=recipe.heldout, max_new_tokens=recipe.max_new_tokens)
-        curve.add(info["step"], info["step"] * recipe.prompts_per_step * recipe.group_size,
-                  info["time"] - started, scores)  # fmt: skip
-        print(f"streamrl eta={eta} step {info['step']}: held-out greedy {scores['greedy_accuracy']:.3f} "
-              f"at {info['time'] - started:.1f} s", flush=True)  # fmt: skip
+    for step, policy, written in evaluated_policies(run_dir, recipe.steps):
+        scores = evaluate(policy, task=task, n=recipe.heldout, max_new_tokens=recipe.max_new_tokens)
+        curve.add(step, step * recipe.prompts_per_step * recipe.group_size, written - started, scores)
+        print(f"streamrl eta={eta} step {step}: held-out greedy {scores['greedy_accuracy']:.3f} "
+              f"at {written - started:.1f} s", flush=True)  # fmt: skip
     keep = (
         "first_request_at",
         "training_started_at",
@@ -88,3 +90,21 @@ def run_streamrl(model_dir: Path, recipe: GRPORecipe, eta: int, run_dir: Path) -
         "steps",
     )
     return {"eta": eta, "curve": curve.points, "summary": {k: summary.get(k) for k in keep}}
+
+
+def evaluated_policies(run_dir: Path, steps: int) -> list[tuple[int, Path, float]]:
+    """(step, HF directory, when written) of each policy on the curve: every snapshot, then the final policy
+    (export/latest) when no snapshot is of the last step (``steps`` is no multiple of the snapshot interval)."""
+    points = []
+    for snap in sorted((run_dir / "snapshots").glob("step-*")):
+        info = json.loads((snap / "snapshot.json").read_text())
+        points.append((info["step"], snap, info["time"]))
+    if not points or points[-1][0] < steps:
+        final = run_dir / "export" / "latest"
+        if not (final / "export.json").is_file():
+            raise RuntimeError(
+                f"{run_dir}: no snapshot of step {steps} and no export/latest (the final policy)"
+            )
+        info = json.loads((final / "export.json").read_text())
+        points.append((info["step"], final, info["time"]))
+    return points
