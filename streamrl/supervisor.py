@@ -194,6 +194,12 @@ class Supervisor:
     def start_together(self, specs: Sequence[ChildSpec]) -> list[ChildState]:
         """Start every spec at once, then wait until each is ready: roles that need nothing of each other start
         side by side (two engines' imports overlap each other's and Redis's start-up instead of queueing)."""
+        states = self.spawn_together(specs)
+        self.wait_ready(states)
+        return states
+
+    def spawn_together(self, specs: Sequence[ChildSpec]) -> list[ChildState]:
+        """Start every spec at once as one stage, without waiting for readiness (:meth:`wait_ready` does)."""
         states = []
         stage = 1 + max((c.stage for c in self.children), default=-1)
         for spec in specs:
@@ -201,9 +207,12 @@ class Supervisor:
             states.append(ChildState(spec, self._spawn(spec), log_path, stage=stage))
             self.children.append(states[-1])
             self._write_records()
+        return states
+
+    def wait_ready(self, states: Sequence[ChildState]) -> None:
+        """Wait until each of ``states`` is ready; ChildFailed names one that died or timed out first."""
         for state in states:
             self._wait_ready(state)
-        return states
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):

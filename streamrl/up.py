@@ -2,8 +2,8 @@
 
 Order of start (each stage waits for the previous one to be ready): Redis and the engines side by side, the
 archiver (and an sglang-router), a held-out evaluation of the starting policy, the learner (ready once it has
-published version 0 to the engines), then the rollout workers, the evaluator (unless ``eval.every_versions`` is
-0) and the dashboard. The run ends when the learner reaches ``learner.max_steps`` (then the final policy is
+published version 0 to the engines; on a fresh disaggregated run it starts during that evaluation), then the
+rollout workers, the evaluator (unless ``eval.every_versions`` is 0) and the dashboard. The run ends when the learner reaches ``learner.max_steps`` (then the final policy is
 evaluated through the engines and ``RUN_DIR/summary.json`` written), when a role has died more often than its
 restart budget (``up.*_restarts`` within ``up.restart_window_s``; the others are stopped and the reason
 printed), or on SIGTERM / Ctrl-C (every role drains and checkpoints). Every role is restarted when it dies: Redis
@@ -279,6 +279,16 @@ def child_specs(
     return [stage for stage in (servers, then) if stage], [[learner], clients]
 
 
+def learner_starts_during_baseline(cfg: StreamRLConfig) -> bool:
+    """Whether the learner starts (imports, model load, update group) while the baseline evaluation runs, instead
+    of after it: on a fresh disaggregated run it publishes version 0 without sending weights (the engines start
+    from them), so the evaluation still measures version 0. A learner with a checkpoint to resume sends that
+    checkpoint's weights, and a colocated one shares the engines' devices: they start after the evaluation."""
+    checkpoints = cfg.shared.run_dir / "checkpoints"
+    resumable = checkpoints.is_dir() and any(checkpoints.iterdir())
+    return cfg.shared.placement == "disaggregated" and not resumable
+
+
 def evaluate_now(cfg: StreamRLConfig, label: str, version: int = 0) -> dict[str, float]:
     """Held-out greedy and sampled accuracy of policy ``version`` (on the engines that serve it), written to the
     eval stream. When no engine serves it, what the engines do serve is evaluated instead and the result says
@@ -414,10 +424,12 @@ def _supervise(config: StreamRLConfig, started: float, launcher: RayLauncher | N
         for stage in before:
             sup.start_together(stage)
         run_manifest = record_redis(cfg, run_manifest)
+        early = sup.spawn_together(after[0]) if learner_starts_during_baseline(cfg) else []
         summary["eval_before"] = evaluate_now(cfg, "before")
+        sup.wait_ready(early)
         gen_started = time.time()
         summary["training_started_at"] = gen_started
-        for stage in after:
+        for stage in after[1 if early else 0 :]:
             sup.start_together(stage)
         code = sup.watch(on_tick=status.ticker(cfg.up.status_interval_s), stop_at_end=False)
         summary["training_wall_seconds"] = time.time() - gen_started

@@ -153,6 +153,24 @@ def test_roles_that_need_nothing_of_each_other_start_together(tmp_path: Path) ->
     assert [[s.name for s in stage] for stage in after] == [["learner"], ["rollout-0", "eval", "dashboard"]]
 
 
+def test_a_fresh_disaggregated_learner_starts_during_the_baseline_evaluation(tmp_path: Path) -> None:
+    """It sends no weights to publish version 0, so the evaluation still measures version 0; a learner with a
+    checkpoint to resume would send that checkpoint's weights, a colocated one would share the engines' devices."""
+    from streamrl.config import StreamRLConfig
+    from streamrl.up import learner_starts_during_baseline
+
+    cfg = StreamRLConfig.model_validate({"shared": {"run_dir": str(tmp_path)}})
+    assert learner_starts_during_baseline(cfg)
+    (tmp_path / "checkpoints").mkdir()
+    assert learner_starts_during_baseline(cfg)  # an empty directory: nothing to resume
+    (tmp_path / "checkpoints" / "step-00000002").mkdir()
+    assert not learner_starts_during_baseline(cfg)
+    colocated = StreamRLConfig.model_validate(
+        {"shared": {"run_dir": str(tmp_path / "other"), "placement": "colocated"}}
+    )
+    assert not learner_starts_during_baseline(colocated)
+
+
 async def test_learner_counts_as_ready_once_version_0_is_published(redis_url: str, tmp_path: Path) -> None:
     """Rollouts wait for this probe: it reads the run's Redis (here an external one, `shared.redis_url`) and turns
     true only when the learner has published a policy version."""
@@ -195,6 +213,8 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
     assert dashboard_summary  # the page's data source answers for this run
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
+    # a fresh run: the learner started during the baseline evaluation, which still measured version 0 (below)
+    assert out.index("started learner") < out.index("held-out accuracy (before")
 
     summary = json.loads((run_dir / "summary.json").read_text())
     for key in ("eval_greedy_accuracy_before", "eval_greedy_accuracy_after", "steps", "samples_trained", "samples_dropped",
@@ -262,6 +282,8 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
+    # a resumed learner sends its checkpoint's weights: it starts after the baseline evaluation
+    assert out.index("held-out accuracy (before") < out.index("started learner")
     resumed_manifest = json.loads((run_dir / "manifest.json").read_text())
     [entry] = resumed_manifest.pop("resumes")
     assert resumed_manifest == {k: v for k, v in manifest.items() if k != "resumes"}  # the original stays
