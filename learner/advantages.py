@@ -1,8 +1,14 @@
-"""Group-relative advantage estimators as pure functions over reward tensors.
+"""Advantage estimators as pure functions over reward tensors.
 
-Every estimator takes ``rewards`` of shape ``[G, N]`` (G prompt groups, N samples per group) and returns
-advantages of the same shape, one scalar per sample; the loss broadcasts a sample's advantage to its tokens.
-Groups of different sizes are estimated one at a time with shape ``[1, n]``.
+Every group-relative estimator takes ``rewards`` of shape ``[G, N]`` (G prompt groups, N samples per group) and
+returns advantages of the same shape, one scalar per sample; the loss broadcasts a sample's advantage to its
+tokens. Groups of different sizes are estimated one at a time with shape ``[1, n]``.
+
+The REINFORCE++ estimators (:data:`BATCH_ESTIMATORS`) normalise over the whole step instead: they take the
+step's rewards flat, ``[S]`` for S samples, with each sample's loss-token count ``[S]`` (and, for the baseline
+variant, its group ``[S]``), and whiten token-weighted, as verl's ``masked_whiten`` whitens per-token returns
+that are constant along a sequence (outcome rewards, gamma 1). :func:`step_advantages` runs either kind over a
+step's groups.
 
 Edge cases, decided once here (docs/losses.md repeats them):
 
@@ -92,6 +98,48 @@ def _zero_flat_groups(adv: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
     return torch.where(flat, torch.zeros_like(adv), adv)
 
 
+def batch_whiten(values: torch.Tensor, tokens: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``[S], [S] -> [S]``: ``(v - mean) / sqrt(var + eps)`` with the mean and the variance over the step's
+    tokens (each sample's value counted once per loss token), the variance unbiased over the token count: verl's
+    ``masked_whiten`` of a ``[S, T]`` tensor whose rows hold ``v`` on their ``tokens`` masked positions. A step
+    of fewer than two tokens, or whose values are all equal, gets zeros."""
+    weights = tokens.to(values.dtype)
+    total = weights.sum()
+    if float(total) < 2:
+        return torch.zeros_like(values)
+    mean = (values * weights).sum() / total
+    var = ((values - mean) ** 2 * weights).sum() / total * (total / (total - 1))
+    return (values - mean) * torch.rsqrt(var + eps)
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, tokens: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """REINFORCE++ on outcome rewards: each sample's reward whitened over the step (``[S], [S] -> [S]``).
+
+    No per-prompt baseline: the step's token-weighted mean is the baseline, so a group whose rewards are all
+    equal still has signal (its reward against the step's)."""
+    return batch_whiten(_checked_flat(rewards), tokens, eps)
+
+
+def reinforce_pp_baseline_advantages(
+    rewards: torch.Tensor, tokens: torch.Tensor, groups: torch.Tensor, eps: float = 1e-8
+) -> torch.Tensor:
+    """REINFORCE++-baseline: ``r - mean_group(r)`` (0 for a one-sample group's mean, as verl), then whitened
+    over the step (``[S], [S], [S] group ids -> [S]``)."""
+    rewards = _checked_flat(rewards)
+    centered = rewards.clone()
+    for group in torch.unique(groups):
+        members = groups == group
+        if int(members.sum()) > 1:
+            centered[members] = rewards[members] - rewards[members].mean()
+    return batch_whiten(centered, tokens, eps)
+
+
+def _checked_flat(rewards: torch.Tensor) -> torch.Tensor:
+    if rewards.dim() != 1:
+        raise ValueError(f"step rewards must have shape [S], got shape {tuple(rewards.shape)}")
+    return check_rewards(rewards[None, :])[0]
+
+
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
     "grpo": grpo_advantages,
     "dr_grpo": dr_grpo_advantages,
@@ -108,3 +156,24 @@ def compute_advantages(rewards: torch.Tensor, config: AdvantageConfig) -> torch.
             f"advantage.estimator = {config.estimator!r} is not one of {list(ADVANTAGE_ESTIMATORS)}"
         )
     return ADVANTAGE_ESTIMATORS[config.estimator](rewards)
+
+
+BATCH_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")
+
+
+def step_advantages(
+    rewards: list[torch.Tensor], tokens: list[torch.Tensor], config: AdvantageConfig
+) -> list[torch.Tensor]:
+    """Advantages of a step's groups: ``rewards`` and loss-token counts ``tokens`` per group (``[N_g]`` each)
+    -> ``[N_g]`` per group. Group-relative estimators see one group at a time; the REINFORCE++ ones the step."""
+    if config.estimator not in BATCH_ESTIMATORS:
+        return [compute_advantages(r[None, :], config)[0] for r in rewards]
+    if not rewards:
+        return []
+    flat, counts = torch.cat(rewards), torch.cat(tokens)
+    if config.estimator == "reinforce_pp":
+        advantages = reinforce_pp_advantages(flat, counts, config.whiten_eps)
+    else:
+        groups = torch.cat([torch.full((len(r),), g) for g, r in enumerate(rewards)])
+        advantages = reinforce_pp_baseline_advantages(flat, counts, groups, config.whiten_eps)
+    return list(torch.split(advantages, [len(r) for r in rewards]))

@@ -92,14 +92,29 @@ class LossConfig(Section):
 class AdvantageConfig(Section):
     """Group-relative advantage estimation and DAPO dynamic sampling."""
 
-    estimator: Literal["grpo", "dr_grpo", "rloo"] = Field(
-        "grpo", description="grpo (group mean/std), dr_grpo (mean only) or rloo (leave-one-out baseline)."
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+        "grpo",
+        description="grpo (group mean/std), dr_grpo (mean only), rloo (leave-one-out baseline), reinforce_pp "
+        "(REINFORCE++: rewards whitened over the step's tokens) or reinforce_pp_baseline (group mean subtracted, "
+        "then whitened over the step).",
     )
     std_normalise: bool = Field(True, description="grpo: divide by the group's standard deviation.")
     eps: float = Field(1e-6, gt=0, description="grpo: added to the group std before dividing.")
+    whiten_eps: float = Field(
+        1e-8, gt=0, description="reinforce_pp*: added to the step's variance before the square root (verl's)."
+    )
     drop_zero_signal: bool = Field(
         False, description="DAPO dynamic sampling: drop (and count) groups whose rewards are all equal."
     )
+
+    @model_validator(mode="after")
+    def _check_dynamic_sampling(self) -> AdvantageConfig:
+        if self.drop_zero_signal and self.estimator == "reinforce_pp":
+            raise ValueError(
+                "drop_zero_signal = true with estimator = 'reinforce_pp': a group whose rewards are all equal "
+                "still has signal there (no group baseline); use reinforce_pp_baseline or drop_zero_signal = false"
+            )
+        return self
 
 
 QWEN2_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -23,7 +23,7 @@ from broker.staleness import StalenessCounters, StalenessManager, check_stalenes
 from common.configlib import ConfigError
 from common.lifecycle import crash_point
 from common.versioning import Lineage, admission_capacity
-from learner.advantages import compute_advantages, zero_signal_groups
+from learner.advantages import step_advantages, zero_signal_groups
 from learner.checkpoint import ALREADY_CONTAINED, LedgerEntry
 from learner.config import LearnerConfig
 
@@ -252,13 +252,20 @@ def rewards_tensor(groups: list[TrajectoryGroup]) -> list[torch.Tensor]:
     return [torch.tensor([s.reward for s in g.samples], dtype=torch.float32) for g in groups]
 
 
+def loss_tokens(groups: list[TrajectoryGroup], config: LearnerConfig) -> list[torch.Tensor]:
+    """Per-group vectors [N_g] of the tokens each sample trains (its loss mask; none when truncated samples are
+    masked): the weights of the REINFORCE++ estimators' whitening."""
+    masked = config.loss.mask_truncated
+    return [
+        torch.tensor([0.0 if masked and s.truncated else float(s.loss_mask.sum()) for s in g.samples])
+        for g in groups
+    ]
+
+
 def group_advantages(groups: list[TrajectoryGroup], config: LearnerConfig) -> list[torch.Tensor]:
-    """Advantages per group, each group on its own (groups may differ in size; the estimators take [G, N], here
-    [1, N_g] per group)."""
-    out: list[torch.Tensor] = []
-    for rewards in rewards_tensor(groups):
-        out.append(compute_advantages(rewards[None, :], config.advantage)[0])
-    return out
+    """Advantages per group [N_g] (groups may differ in size): each group on its own for the group-relative
+    estimators, over the whole step's samples for REINFORCE++ (learner.advantages.step_advantages)."""
+    return step_advantages(rewards_tensor(groups), loss_tokens(groups, config), config.advantage)
 
 
 def run_coroutine(loop: asyncio.AbstractEventLoop, coro, timeout_s: float | None = None):  # noqa: ANN001, ANN201

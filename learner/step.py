@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from learner.advantages import compute_advantages
+from learner.advantages import step_advantages
 from learner.attention import PACKED_ATTENTION, PACKED_IMPLEMENTATIONS
 from learner.config import LearnerConfig
 from learner.logprobs import token_logprobs
@@ -190,6 +190,7 @@ class RewardPenalty:
 
     rewards: list[float]  # per sequence index: the sample's reward
     groups: list[list[int]]  # the sequence indices of each group
+    tokens: list[float]  # per sequence index: the tokens it trains (the REINFORCE++ whitening's weights)
 
 
 def penalise_rewards(
@@ -199,8 +200,9 @@ def penalise_rewards(
     config: LearnerConfig,
 ) -> float:
     """Subtract ``kl_coef x`` each sample's summed reference KL (behaviour tokens vs the reference, over its
-    loss tokens) from its reward, recompute the advantages group by group, and write them into every
-    micro-batch in place (verl's ``use_kl_in_reward`` for outcome rewards). Returns the mean penalty.
+    loss tokens) from its reward, recompute the advantages, and write them into every
+    micro-batch in place (verl's ``use_kl_in_reward`` for outcome rewards; the REINFORCE++ estimators whiten over
+    the whole step again). Returns the mean penalty.
 
     Each sample sits in exactly one micro-batch of one rank, so a sum over ranks gives every rank every KL."""
     n = len(penalty.rewards)
@@ -215,8 +217,12 @@ def penalise_rewards(
         dist.all_reduce(kl_sum)
     shaped = torch.tensor(penalty.rewards, dtype=torch.float64) - config.loss.kl_coef * kl_sum
     advantages = torch.zeros(n, dtype=torch.float64)
-    for members in penalty.groups:
-        advantages[members] = compute_advantages(shaped[members][None, :], config.advantage)[0]
+    tokens = torch.tensor(penalty.tokens, dtype=torch.float64)
+    per_group = step_advantages(
+        [shaped[m] for m in penalty.groups], [tokens[m] for m in penalty.groups], config.advantage
+    )
+    for members, group_advantages in zip(penalty.groups, per_group, strict=True):
+        advantages[members] = group_advantages
     for update in updates:
         for mb in update.micro_batches:
             rows = advantages[mb.seq_index.clamp(min=0).cpu()].to(mb.advantages)

@@ -167,7 +167,8 @@ def plan_updates(
     penalty = None
     if config.loss.kl_coef > 0 and config.loss.kl_mode == "reward":
         rewards = [s.reward for g in groups for s in g.samples]
-        penalty = RewardPenalty(rewards=rewards, groups=members)
+        tokens = [float(s.loss_mask.sum()) for s in seqs]
+        penalty = RewardPenalty(rewards=rewards, groups=members, tokens=tokens)
     return per_rank, plans, penalty
 
 

@@ -10,12 +10,20 @@ from learner.advantages import (
     compute_advantages,
     dr_grpo_advantages,
     grpo_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
     rloo_advantages,
+    step_advantages,
     zero_signal_groups,
 )
 from learner.config import AdvantageConfig
 
 torch.set_num_threads(1)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-6) -> None:
+    torch.testing.assert_close(got.double(), want.double(), atol=atol, rtol=0)
+
 
 # Two groups of four samples used throughout.
 #   group 0: [1, 0, 0, 1]  mean 0.5, deviations [+.5, -.5, -.5, +.5], sum of squares 1.0
@@ -99,3 +107,109 @@ def test_compute_advantages_follows_the_config() -> None:
         dr_grpo_advantages(REWARDS),
     )
     assert not torch.allclose(compute_advantages(REWARDS, AdvantageConfig()), dr_grpo_advantages(REWARDS))
+
+
+# ---------------------------------------------------------------- REINFORCE++ (whitened over the step)
+
+
+def test_reinforce_pp_by_hand() -> None:
+    # rewards [1, 0, 1] on 2, 1 and 1 loss tokens: token values [1, 1, 0, 1], mean 0.75, deviations
+    # [.25, .25, -.75, .25], sum of squares 0.75, unbiased variance 0.75 / 3 = 0.25, std 0.5
+    got = reinforce_pp_advantages(torch.tensor([1.0, 0.0, 1.0]), torch.tensor([2.0, 1.0, 1.0]))
+    close(got, torch.tensor([0.25, -0.75, 0.25]) / (0.25 + 1e-8) ** 0.5)
+    assert got.tolist() == pytest.approx([0.5, -1.5, 0.5], abs=1e-6)
+
+
+def test_reinforce_pp_baseline_by_hand() -> None:
+    # groups [0, 0, 1, 1, 2], one token each: centred [.5, -.5, 0, 0, 3] (a one-sample group keeps its reward:
+    # its mean counts as 0), mean 0.6, deviations [-.1, -1.1, -.6, -.6, 2.4], sum of squares 7.7,
+    # unbiased variance 7.7 / 4 = 1.925
+    got = reinforce_pp_baseline_advantages(
+        torch.tensor([1.0, 0.0, 1.0, 1.0, 3.0]), torch.ones(5), torch.tensor([0, 0, 1, 1, 2])
+    )
+    close(got, torch.tensor([-0.1, -1.1, -0.6, -0.6, 2.4]) / (1.925 + 1e-8) ** 0.5)
+
+
+def _token_level_whiten(rewards: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The token-level computation the REINFORCE++ papers and verl describe, written out on [S, T]: outcome
+    returns (gamma 1: the reward on every response token), masked mean, unbiased masked variance, whitened,
+    masked; then each row's value on its tokens."""
+    length = int(tokens.max())
+    mask = (torch.arange(length)[None, :] < tokens[:, None]).double()
+    returns = rewards.double()[:, None] * mask
+    mean = (returns * mask).sum() / mask.sum()
+    var = (((returns - mean) ** 2) * mask).sum() / mask.sum() * mask.sum() / (mask.sum() - 1)
+    whitened = (returns - mean) * torch.rsqrt(var + 1e-8) * mask
+    return torch.stack(
+        [row[0] if n > 0 else torch.tensor(0.0) for row, n in zip(whitened, tokens, strict=True)]
+    )
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_reinforce_pp_equals_the_token_level_whitening_of_outcome_returns(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randint(0, 3, (12,), generator=g).double()
+    tokens = torch.randint(1, 30, (12,), generator=g).double()
+    close(reinforce_pp_advantages(rewards, tokens), _token_level_whiten(rewards, tokens), atol=1e-12)
+    groups = torch.arange(12) // 4
+    centred = rewards - torch.repeat_interleave(rewards.view(3, 4).mean(dim=1), 4)
+    close(
+        reinforce_pp_baseline_advantages(rewards, tokens, groups),
+        _token_level_whiten(centred, tokens),
+        atol=1e-12,
+    )
+
+
+def test_reinforce_pp_gives_a_flat_group_signal_against_the_step() -> None:
+    # group 1 all 1.0: no signal within the group (GRPO: zeros), but above the step's mean under REINFORCE++
+    rewards, tokens = [torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0])], [torch.ones(2), torch.ones(2)]
+    grpo = step_advantages(rewards, tokens, AdvantageConfig(estimator="grpo"))
+    assert grpo[1].tolist() == [0.0, 0.0]
+    rpp = step_advantages(rewards, tokens, AdvantageConfig(estimator="reinforce_pp"))
+    assert all(v > 0 for v in rpp[1].tolist())
+    close(torch.cat(rpp), reinforce_pp_advantages(torch.cat(rewards), torch.cat(tokens)))
+
+
+def test_a_step_of_equal_rewards_or_one_token_gives_zeros() -> None:
+    assert reinforce_pp_advantages(torch.ones(4), torch.full((4,), 3.0)).tolist() == [0.0] * 4
+    assert reinforce_pp_advantages(torch.tensor([2.0]), torch.tensor([1.0])).tolist() == [0.0]
+    with pytest.raises(ValueError, match="non-finite"):
+        reinforce_pp_advantages(torch.tensor([1.0, float("nan")]), torch.ones(2))
+
+
+def test_the_learner_whitens_over_the_steps_trained_tokens() -> None:
+    """The trainer's advantages of a step's groups (learner.intake.group_advantages): weighted by each sample's
+    loss tokens, and a truncated sample masked by loss.mask_truncated weighs nothing."""
+    import numpy as np
+
+    from broker.record import synthetic_group
+    from learner.config import LearnerConfig, LossConfig
+    from learner.intake import group_advantages
+
+    rng = np.random.default_rng(0)
+    groups = [synthetic_group(rng, prompt_index=i, num_samples=3, num_tokens=8 + 4 * i) for i in range(2)]
+    for g in groups:
+        for k, s in enumerate(g.samples):
+            s.reward, s.truncated = float(k), k == 2
+    rewards = torch.tensor([float(k) for _ in groups for k in range(3)])
+    for masked in (False, True):
+        config = LearnerConfig(
+            advantage=AdvantageConfig(estimator="reinforce_pp"), loss=LossConfig(mask_truncated=masked)
+        )
+        tokens = torch.tensor(
+            [0.0 if masked and s.truncated else float(s.loss_mask.sum()) for g in groups for s in g.samples]
+        )
+        assert tokens.sum() > 0
+        close(torch.cat(group_advantages(groups, config)), reinforce_pp_advantages(rewards, tokens))
+
+
+def test_dynamic_sampling_is_refused_where_a_flat_group_has_signal() -> None:
+    from common.configlib import ConfigError
+    from streamrl.config import load
+
+    with pytest.raises(ConfigError, match="drop_zero_signal.*reinforce_pp"):
+        load(["--learner.advantage.estimator=reinforce_pp", "--learner.advantage.drop_zero_signal=true"])
+    cfg = load(
+        ["--learner.advantage.estimator=reinforce_pp_baseline", "--learner.advantage.drop_zero_signal=true"]
+    )
+    assert cfg.learner.advantage.estimator == "reinforce_pp_baseline"

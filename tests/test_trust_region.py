@@ -169,9 +169,9 @@ def test_kl_reward_penalty_recomputes_advantages_by_hand() -> None:
     update = UpdateInputs(plan.micro_batches[0], plan.temperatures[0], plan.normaliser)
     fixed = [[FixedLogprobs(None, mb.logp_behaviour - 0.5) for mb in update.micro_batches]]
     rewards = [1.0, 0.0, 1.0, 1.0]
-    mean_pen = penalise_rewards([update], fixed, RewardPenalty(rewards, [[0, 1], [2, 3]]), config)
-
     n = [float(s.loss_mask.sum()) for s in seqs]
+    mean_pen = penalise_rewards([update], fixed, RewardPenalty(rewards, [[0, 1], [2, 3]], n), config)
+
     shaped = [r - 0.1 * 0.5 * k for r, k in zip(rewards, n, strict=True)]
     want = [shaped[0] - (shaped[0] + shaped[1]) / 2, shaped[1] - (shaped[0] + shaped[1]) / 2,
             shaped[2] - (shaped[2] + shaped[3]) / 2, shaped[3] - (shaped[2] + shaped[3]) / 2]  # fmt: skip
