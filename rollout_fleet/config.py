@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from common.configlib import Section
 from rollout_fleet.sandbox import SandboxConfig
@@ -237,6 +237,15 @@ class RolloutConfig(Section):
         1.0, gt=0, description="Longest wait for a policy-version announcement before the version is re-read."
     )
     metrics_interval_s: float = Field(5.0, gt=0, description="Period of the rollout metrics points in Redis.")
+
+    @model_validator(mode="after")
+    def _check_overlong_buffer(self) -> RolloutConfig:
+        if self.reward.overlong_buffer >= self.max_new_tokens:
+            raise ValueError(
+                f"reward.overlong_buffer = {self.reward.overlong_buffer} must be below max_new_tokens = "
+                f"{self.max_new_tokens}: the penalty starts at max_new_tokens - overlong_buffer tokens"
+            )
+        return self
 
 
 class EvalConfig(Section):

@@ -84,6 +84,14 @@ def scorer_of(rollout: RolloutConfig) -> tuple[str, dict]:
     return rollout.task.name, rollout.task.options()
 
 
+def training_scorer(rewards: RewardPool, rollout: RolloutConfig) -> Scorer:
+    """What every training sample is scored with: :func:`scorer_of` on ``rewards``, shaped by DAPO's overlong
+    punishment when ``rollout.reward.overlong_buffer`` is set."""
+    name, options = scorer_of(rollout)
+    shaping = rollout.reward.overlong_buffer, rollout.reward.overlong_penalty_factor
+    return Scorer(rewards, name, dict(options), *shaping)
+
+
 def sglang_router_url(rollout: RolloutConfig) -> str | None:
     """The sglang-router every request goes through (``rollout.router = "sglang"``), else None."""
     if rollout.router != "sglang":
@@ -179,9 +187,8 @@ async def open_worker(
             lease_ttl_s=rollout.lease_ttl_s,
             max_epochs=rollout.max_epochs,
         )
-        scorer, options = scorer_of(rollout)
         await rewards.start()
-        context = WorkflowContext(task, tok, rollout, Scorer(rewards, scorer, dict(options)), WorkerStats())
+        context = WorkflowContext(task, tok, rollout, training_scorer(rewards, rollout), WorkerStats())
         coordination = Coordination(
             client,
             dispatch,

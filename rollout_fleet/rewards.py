@@ -6,7 +6,10 @@
 
 A scorer is a task name (``get_task(name, **options).score``), a Task class by import path, or a function by
 import path called as ``fn(prompt, completion, **options)`` that returns a number, a mapping with a ``"reward"``
-key (the other keys are components), or a :class:`RewardResult`.
+key (the other keys are components), or a :class:`RewardResult`. A function that names them (or takes
+``**kwargs``) also gets the sample's length as keyword arguments (:class:`SampleLength`: ``truncated``,
+``output_tokens``, ``max_output_tokens``), what DAPO's length shaping needs; a two-argument function keeps
+working. :func:`overlong_penalty` is DAPO's soft overlong punishment (``rollout.reward.overlong_buffer``).
 
 Outcomes: ``ok``; ``timeout`` (the call ran past ``timeout_s``: the worker is killed with SIGKILL and replaced,
 reward 0); ``error`` (the function raised, returned something unusable or non-finite, or its process died:
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import math
 import multiprocessing as mp
@@ -42,17 +46,66 @@ class RewardFunctionError(ValueError):
     """A reward function returned something that is not a usable reward."""
 
 
+@dataclass(frozen=True)
+class SampleLength:
+    """A scored sample's length: whether it hit the output budget, its generated tokens and that budget."""
+
+    truncated: bool
+    output_tokens: int
+    max_output_tokens: int
+
+    def as_kwargs(self) -> dict[str, Any]:
+        return {
+            "truncated": self.truncated,
+            "output_tokens": self.output_tokens,
+            "max_output_tokens": self.max_output_tokens,
+        }
+
+
+LENGTH_ARGUMENTS = ("truncated", "output_tokens", "max_output_tokens")
+
+
+def overlong_penalty(output_tokens: int, max_output_tokens: int, buffer: int, factor: float) -> float:
+    """DAPO's soft overlong punishment: 0 up to ``max_output_tokens - buffer`` tokens, then falling linearly to
+    ``-factor`` at the budget (and below it past the budget): ``min(0, -(L - (L_max - buffer)) / buffer *
+    factor)``, as DAPO's reward manager computes it. ``buffer`` 0 turns it off."""
+    if buffer <= 0:
+        return 0.0
+    exceed = output_tokens - (max_output_tokens - buffer)
+    return min(0.0, -exceed / buffer * factor)
+
+
 # ---- worker side -------------------------------------------------------------------------------------------
-def resolve_scorer(scorer: str, options: Mapping[str, Any]) -> Callable[[Prompt, str], Any]:
-    """The callable behind a scorer name or import path (see the module docstring)."""
-    if ":" in scorer:
-        obj = load_object(scorer, "reward function")
-        if isinstance(obj, type) and issubclass(obj, Task):
-            return get_task(scorer, **options).score
-        if not callable(obj):
-            raise RewardFunctionError(f"reward function {scorer!r} is a {type(obj).__name__}, not callable")
-        return (lambda prompt, completion: obj(prompt, completion, **options)) if options else obj
-    return get_task(scorer, **options).score
+def resolve_scorer(scorer: str, options: Mapping[str, Any]) -> Callable[..., Any]:
+    """The callable behind a scorer name or import path, as ``f(prompt, completion, length=None)`` (see the
+    module docstring: only a function that asks for the length gets it)."""
+    obj = load_object(scorer, "reward function") if ":" in scorer else None
+    if obj is None or (isinstance(obj, type) and issubclass(obj, Task)):
+        task_score = get_task(scorer, **options).score  # a task's verifier: (prompt, completion)
+        return lambda prompt, completion, length=None: task_score(prompt, completion)
+    if not callable(obj):
+        raise RewardFunctionError(f"reward function {scorer!r} is a {type(obj).__name__}, not callable")
+    takes = length_arguments(obj)
+    return lambda prompt, completion, length=None: obj(
+        prompt, completion, **options, **_length_kwargs(length, takes)
+    )
+
+
+def length_arguments(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """Which of :data:`LENGTH_ARGUMENTS` ``fn`` takes by keyword (all of them with ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: two arguments only
+        return ()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return LENGTH_ARGUMENTS
+    return tuple(name for name in LENGTH_ARGUMENTS if name in params)
+
+
+def _length_kwargs(length: SampleLength | None, takes: tuple[str, ...]) -> dict[str, Any]:
+    if length is None:
+        return {}
+    return {k: v for k, v in length.as_kwargs().items() if k in takes}
 
 
 def normalize(value: Any, scorer: str) -> tuple[float, dict[str, float]]:
@@ -87,7 +140,7 @@ def _limit_threads() -> bool:
 
 
 def _worker_main(conn: Connection, max_memory_bytes: int | None = None) -> None:
-    """Serve (job, scorer, options, prompt, completion) requests until a None or EOF arrives."""
+    """Serve (job, scorer, options, prompt, completion, length) requests until a None or EOF arrives."""
     if max_memory_bytes is not None:
         hard = resource.getrlimit(resource.RLIMIT_AS)[1]
         if hard != resource.RLIM_INFINITY:
@@ -96,7 +149,7 @@ def _worker_main(conn: Connection, max_memory_bytes: int | None = None) -> None:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = "1"  # read by torch / numpy when a scorer imports them
     torch_limited = False
-    scorers: dict[str, Callable[[Prompt, str], Any]] = {}
+    scorers: dict[str, Callable[..., Any]] = {}
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -105,7 +158,7 @@ def _worker_main(conn: Connection, max_memory_bytes: int | None = None) -> None:
             return
         if message is None:
             return
-        job, scorer, options, prompt, completion = message
+        job, scorer, options, prompt, completion, length = message
         key = scorer + json.dumps(options, sort_keys=True, default=repr)
         try:
             if key not in scorers:
@@ -115,7 +168,7 @@ def _worker_main(conn: Connection, max_memory_bytes: int | None = None) -> None:
             continue
         conn.send((job, "begin"))
         try:
-            value = scorers[key](prompt, completion)
+            value = scorers[key](prompt, completion, length)
             torch_limited = torch_limited or _limit_threads()
             reward, components = normalize(value, scorer)
         except MemoryError:
@@ -198,21 +251,33 @@ class RewardPool:
         return [s.process.pid for s in self._slots if s.process is not None and s.process.is_alive()]
 
     async def score(
-        self, scorer: str, prompt: Prompt, completion: str, options: Mapping[str, Any] | None = None
+        self,
+        scorer: str,
+        prompt: Prompt,
+        completion: str,
+        options: Mapping[str, Any] | None = None,
+        length: SampleLength | None = None,
     ) -> RewardResult:
-        """The reward of one completion; never raises for anything the scorer does."""
+        """The reward of one completion; never raises for anything the scorer does. ``length`` goes to a
+        function that asks for it (module docstring)."""
         await self.start()
         assert self._idle is not None
         slot = await self._idle.get()
         try:
-            result = await self._run(slot, scorer, dict(options or {}), prompt, completion)
+            result = await self._run(slot, scorer, dict(options or {}), prompt, completion, length)
         finally:
             self._idle.put_nowait(slot)
         self.stats[result.status] += 1
         return result
 
     async def _run(
-        self, slot: _Slot, scorer: str, options: dict[str, Any], prompt: Prompt, completion: str
+        self,
+        slot: _Slot,
+        scorer: str,
+        options: dict[str, Any],
+        prompt: Prompt,
+        completion: str,
+        length: SampleLength | None,
     ) -> RewardResult:
         if not slot.healthy or not slot.process.is_alive():
             try:
@@ -223,7 +288,7 @@ class RewardPool:
         job, limit = self._jobs, self.load_timeout_s
         try:
             assert slot.conn is not None
-            slot.conn.send((job, scorer, options, prompt, completion))
+            slot.conn.send((job, scorer, options, prompt, completion, length))
             reply = await self._receive(slot, limit)
             if reply[:2] == (job, "begin"):
                 limit = self.timeout_s

@@ -62,3 +62,20 @@ def memory_hog(prompt: Prompt, completion: str) -> float:
     """Allocates 2 GiB: past a reward worker's RLIMIT_AS."""
     block = bytearray(2 << 30)
     return float(len(block))
+
+
+def length_echo(
+    prompt: Prompt, completion: str, truncated: bool, output_tokens: int, max_output_tokens: int
+) -> dict[str, float]:
+    """Asks for the sample's length by name: echoes it as components (reward 1)."""
+    return {
+        "reward": 1.0,
+        "truncated": float(truncated),
+        "output_tokens": float(output_tokens),
+        "max_output_tokens": float(max_output_tokens),
+    }
+
+
+def length_kwargs(prompt: Prompt, completion: str, **info: object) -> dict[str, float]:
+    """Takes ``**kwargs``: gets every length argument (their count is its reward)."""
+    return {"reward": float(len(info)), "budget": float(info["max_output_tokens"])}  # type: ignore[arg-type]

@@ -7,9 +7,10 @@ import os
 
 import pytest
 
-from rollout_fleet.rewards import RewardFunctionError, RewardPool, normalize
+from rollout_fleet.rewards import RewardFunctionError, RewardPool, SampleLength, normalize, overlong_penalty
 from rollout_fleet.tasks import Prompt, get_task
 from rollout_fleet.tasks.arithmetic import scratchpad
+from rollout_fleet.workflows.base import Scorer
 from tests import reward_fns
 
 FNS = reward_fns.__name__
@@ -168,3 +169,48 @@ async def test_memory_hog_hits_the_workers_address_space_limit() -> None:
         assert (await pool.score("arithmetic", PROMPT, GOOD)).status == "ok"
     with pytest.raises(ValueError, match="max_memory_bytes"):
         RewardPool(max_memory_bytes=1000)
+
+
+async def test_a_reward_function_gets_the_samples_length_when_it_names_it(pool: RewardPool) -> None:
+    length = SampleLength(truncated=True, output_tokens=64, max_output_tokens=64)
+    echoed = await pool.score(f"{FNS}:length_echo", PROMPT, "x", length=length)
+    assert echoed.status == "ok", echoed.error
+    assert dict(echoed.components) == {"truncated": 1.0, "output_tokens": 64.0, "max_output_tokens": 64.0}
+    every = await pool.score(f"{FNS}:length_kwargs", PROMPT, "x", length=length)
+    assert (every.reward, every.components["budget"]) == (3.0, 64.0)
+    # a two-argument function (with its options) and a task's verifier keep working when the length is given
+    old = await pool.score(f"{FNS}:length_reward", PROMPT, PROMPT.answer, {"scale": 2.0}, length)
+    assert (old.status, old.reward) == ("ok", 2.0)
+    task = await pool.score("arithmetic", PROMPT, GOOD, length=length)
+    assert (task.status, task.reward) == ("ok", 1.0)
+    # a function that asks for the length, scored without one (held-out evaluation): an error with the reason
+    missing = await pool.score(f"{FNS}:length_echo", PROMPT, "x")
+    assert missing.status == "error" and "output_tokens" in missing.error
+
+
+def test_dapos_overlong_penalty_by_hand() -> None:
+    # budget 100, buffer 20: free up to 80 tokens, then -1/20 a token, -factor at the budget
+    assert [overlong_penalty(n, 100, 20, 1.0) for n in (10, 80, 81, 90, 100)] == [0.0, 0.0, -0.05, -0.5, -1.0]
+    assert overlong_penalty(100, 100, 20, 0.5) == -0.5 and overlong_penalty(100, 100, 0, 1.0) == 0.0
+
+
+async def test_the_training_scorer_adds_the_overlong_component_to_a_verified_sample(pool: RewardPool) -> None:
+    scorer = Scorer(pool, "arithmetic", {}, overlong_buffer=8, overlong_penalty_factor=1.0)
+    cut = await scorer.score(PROMPT, GOOD, SampleLength(True, 64, 64))
+    assert (cut.reward, dict(cut.components)) == (0.0, {"correct": 1.0, "format": 1.0, "overlong": -1.0})
+    short = await scorer.score(PROMPT, GOOD, SampleLength(False, 10, 64))
+    assert (short.reward, short.components["overlong"]) == (1.0, 0.0)
+    failed = await Scorer(pool, f"{FNS}:boom", {}, 8).score(PROMPT, GOOD, SampleLength(True, 64, 64))
+    assert (
+        failed.status == "error" and "overlong" not in failed.components
+    )  # an error stays an error, reward 0
+    off = await Scorer(pool, "arithmetic", {}).score(PROMPT, GOOD, SampleLength(True, 64, 64))
+    assert "overlong" not in off.components
+
+
+def test_an_overlong_buffer_must_leave_room_below_the_budget() -> None:
+    from common.configlib import ConfigError
+    from streamrl.config import load
+
+    with pytest.raises(ConfigError, match="reward.overlong_buffer = 64 must be below max_new_tokens = 64"):
+        load(["--rollout.max_new_tokens=64", "--rollout.reward.overlong_buffer=64"])

@@ -22,15 +22,15 @@ from rollout_fleet.dispatch import Lease
 from rollout_fleet.engine.server import ServerThread
 from rollout_fleet.envs.base import Environment
 from rollout_fleet.generate_client import SamplingConfig
-from rollout_fleet.main import scorer_of
+from rollout_fleet.main import training_scorer
 from rollout_fleet.model import load_tokenizer
 from rollout_fleet.rewards import RewardPool
 from rollout_fleet.router import Router
 from rollout_fleet.tasks import TRAIN, Prompt
-from rollout_fleet.tasks.config import build_task, task_config
+from rollout_fleet.tasks.config import RewardConfig, build_task, task_config
 from rollout_fleet.workflows import WORKFLOWS, build_workflow, workflow_kind
 from rollout_fleet.workflows.abandon import DROP, HAND_BACK, GroupAbandoned
-from rollout_fleet.workflows.base import Scorer, WorkflowContext
+from rollout_fleet.workflows.base import WorkflowContext
 from rollout_fleet.workflows.multi_turn import EpisodeWorkflow
 from rollout_fleet.workflows.session import EngineSession, Generation
 from rollout_fleet.workflows.single_turn import SingleTurnWorkflow
@@ -100,8 +100,7 @@ async def pool() -> AsyncIterator[RewardPool]:
 
 def context_for(rollout: Any, tokenizer: Any, pool: RewardPool, task: Any = None) -> WorkflowContext:
     task = task if task is not None else build_task(rollout.task, tokenizer)
-    name, options = scorer_of(rollout)
-    return WorkflowContext(task, tokenizer, rollout, Scorer(pool, name, dict(options)), WorkerStats())
+    return WorkflowContext(task, tokenizer, rollout, training_scorer(pool, rollout), WorkerStats())
 
 
 def prompt_of(tokenizer: Any, text: str) -> list[int]:
@@ -149,6 +148,30 @@ async def test_the_single_turn_workflow_makes_a_group_of_the_engines_tokens_and_
         assert s.truncated == (s.finish_reason == "length") and 1 <= len(ids) <= rollout.max_new_tokens
     stats = context.stats
     assert (stats.requests, stats.batch_requests, stats.reward_status["ok"]) == (3, int(batch), 3)
+
+
+async def test_a_training_sample_is_scored_with_its_length_and_dapos_overlong_penalty(
+    model_dir: Path, tokenizer: Any, pool: RewardPool
+) -> None:
+    """The reward function that asks gets each sample's real length (the engine's tokens, whether it hit the
+    budget, the budget), and the worker's scorer (training_scorer, as the rollout worker builds it) adds the
+    overlong component: here every token past 4 of the 8-token budget costs 0.25."""
+    reward = RewardConfig(
+        workers=1, timeout_s=10.0, function="tests.reward_fns:length_echo", overlong_buffer=4
+    )
+    with serving(model_dir) as srv:
+        _, _, rollout = configs(model_dir, [srv.url], group_size=4, max_new_tokens=8, reward=reward)
+        context = context_for(rollout, tokenizer, pool)
+        async with routing([srv.url]) as router:
+            workflow = build_workflow(context, router, SimpleNamespace(value=0))
+            group = await workflow.generate_group(Lease(3, 0, 1, "leased"), "g", "run", "w0")
+    for s in group.samples:
+        n, c = len(s.output_ids), s.reward_components
+        assert (c["output_tokens"], c["max_output_tokens"], c["truncated"]) == (n, 8, float(s.truncated))
+        assert c["overlong"] == pytest.approx(min(0.0, -(n - 4) / 4)) and s.reward == pytest.approx(
+            1 + c["overlong"]
+        )
+    assert any(s.truncated for s in group.samples)  # the untrained model rarely stops within 8 tokens
 
 
 # -- the multi-turn episode workflow ----------------------------------------------------------------------------

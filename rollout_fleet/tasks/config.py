@@ -103,7 +103,17 @@ class RewardConfig(Section):
 
     function: str | None = Field(
         None,
-        description="Custom reward 'package.module:function' called as fn(prompt, completion); default: the task's verifier.",
+        description="Custom reward 'package.module:function' called as fn(prompt, completion) (plus truncated, "
+        "output_tokens and max_output_tokens when it names them); default: the task's verifier.",
+    )
+    overlong_buffer: int = Field(
+        0,
+        ge=0,
+        description="DAPO soft overlong punishment: the last this many tokens of rollout.max_new_tokens cost a "
+        "penalty rising linearly to overlong_penalty_factor at the budget (component 'overlong'); 0: off.",
+    )
+    overlong_penalty_factor: float = Field(
+        1.0, gt=0, description="DAPO soft overlong punishment: the penalty at the output budget."
     )
     workers: int = Field(2, ge=1, description="Reward worker processes per rollout worker.")
     timeout_s: float = Field(

@@ -20,7 +20,7 @@ import asyncio
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,7 @@ import numpy as np
 from broker.record import Sample, TrajectoryGroup
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.dispatch import Lease
+from rollout_fleet.rewards import SampleLength, overlong_penalty
 from rollout_fleet.tasks import TRAIN, Prompt, RewardResult, Task
 from rollout_fleet.workflows.abandon import DROP, GroupAbandoned
 from rollout_fleet.workflows.session import Answer, EngineSession
@@ -38,14 +39,26 @@ PROMPT_CACHE_SIZE = 1024  # token ids of recent prompts (each is tokenised once 
 
 @dataclass
 class Scorer:
-    """The verifier every sample is scored with: a scorer of the reward process pool and its options."""
+    """The verifier every sample is scored with: a scorer of the reward process pool and its options, and DAPO's
+    soft overlong punishment on top (``overlong_buffer`` tokens, 0: off; component ``overlong``)."""
 
     pool: Any  # rollout_fleet.rewards.RewardPool (or anything with its ``score``)
     name: str
     options: dict[str, Any] = field(default_factory=dict)
+    overlong_buffer: int = 0
+    overlong_penalty_factor: float = 1.0
 
-    async def score(self, prompt: Prompt, text: str) -> RewardResult:
-        return await self.pool.score(self.name, prompt, text, self.options)
+    async def score(self, prompt: Prompt, text: str, length: SampleLength | None = None) -> RewardResult:
+        """The verifier's result (``length`` goes to a reward function that asks for it), shaped by the
+        overlong penalty when one is configured and the verifier succeeded."""
+        result = await self.pool.score(self.name, prompt, text, self.options, length)
+        if self.overlong_buffer <= 0 or length is None or result.status != "ok":
+            return result
+        penalty = overlong_penalty(
+            length.output_tokens, length.max_output_tokens, self.overlong_buffer, self.overlong_penalty_factor
+        )
+        components = {**result.components, "overlong": penalty}
+        return replace(result, reward=result.reward + penalty, components=components)
 
 
 @dataclass

@@ -19,6 +19,7 @@ import numpy as np
 from broker.record import Sample
 from rollout_fleet.envs.base import EnvironmentTask
 from rollout_fleet.envs.episode import Episode, EpisodeBudgets, EpisodeError, TurnOutput, run_episode
+from rollout_fleet.rewards import SampleLength
 from rollout_fleet.tasks import Prompt, RewardResult, Task
 from rollout_fleet.workflows.abandon import DROP, GroupAbandoned
 from rollout_fleet.workflows.base import GroupWorkflow, SampleResult, WorkflowContext, eos_ids
@@ -67,7 +68,9 @@ class EpisodeWorkflow(GroupWorkflow):
         generate_s = time.monotonic() - started
         text = self.decode(episode.tokens)
         started = time.monotonic()
-        reward = await self.scorer.score(prompt, text)
+        generated = len(episode.tokens) - episode.observation_tokens  # the model's tokens over every turn
+        length = SampleLength(episode.truncated, generated, self.budgets.max_total_tokens)
+        reward = await self.scorer.score(prompt, text, length)
         timings = {"generate_s": generate_s, "reward_s": time.monotonic() - started}
         self._count_episode(episode)
         return SampleResult(self._build_sample(index, episode, reward, timings), text)

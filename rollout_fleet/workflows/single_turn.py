@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from broker.record import Sample
+from rollout_fleet.rewards import SampleLength
 from rollout_fleet.tasks import Prompt, RewardResult
 from rollout_fleet.workflows.base import GroupWorkflow, SampleResult
 from rollout_fleet.workflows.session import Answer, Generation
@@ -25,7 +26,8 @@ class SingleTurnWorkflow(GroupWorkflow):
         )
         text = self.decode(generated.tokens)
         started = time.monotonic()
-        reward = await self.scorer.score(prompt, text)
+        length = SampleLength(generated.finish == "length", len(generated.tokens), self.config.max_new_tokens)
+        reward = await self.scorer.score(prompt, text, length)
         generated.timings["reward_s"] = time.monotonic() - started
         return SampleResult(self._build_sample(index, generated, reward), text)
 
