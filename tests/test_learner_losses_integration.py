@@ -78,10 +78,17 @@ def test_a_policy_loss_chosen_on_the_command_line_trains_a_learner_process(
     loss: str, model_and_groups: tuple[Path, list], tmp_path: Path, redis_url: str
 ) -> None:
     model_dir, groups = model_and_groups
-    produce(redis_url, groups)
+    # DAPO dynamic sampling through the learner: two groups of equal rewards ahead of the two with signal are
+    # dropped (zero_signal, counted, capacity given back) and the step still trains groups_per_step = 2 groups
+    flat = sample_groups(str(model_dir), 2, 2, version=0, max_new_tokens=8, start_index=50)
+    for group in flat:
+        for sample in group.samples:
+            sample.reward, sample.reward_components = 1.0, {"correct": 1.0}
+    produce(redis_url, [*flat, *groups])
     proc = start_learner(
         tmp_path, redis_url, model_dir, "--learner.world_size=1", "--learner.groups_per_step=2",
         "--learner.max_steps=1", "--learner.export_at_end=false", f"--learner.loss.policy_loss={loss}",
+        "--learner.advantage.drop_zero_signal=true",
     )  # fmt: skip
     out, _ = proc.communicate(timeout=80)
     assert proc.returncode == 0, out
@@ -97,6 +104,9 @@ def test_a_policy_loss_chosen_on_the_command_line_trains_a_learner_process(
     assert metrics["step_applied"] == 1.0 and metrics["skipped_steps"] == 0.0
     assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
     assert metrics["samples"] == 4.0
+    dropped = {f[b"gid"].decode(): f[b"reason"].decode() for _, f in client.xrange(keys.dropped)}
+    assert dropped == {g.group_id: "zero_signal" for g in flat}
+    assert metrics["dropped/zero_signal"] == 2.0  # counted in the step that read past them
 
 
 @pytest.mark.parametrize(("kl_mode", "offload"), [("loss", False), ("reward", True)])
