@@ -10,14 +10,14 @@ once more than ``broker.keep_groups`` wait there, at most ``broker.prune_batch``
 
 - removes its id from every consumer group's acknowledged set (the entry is gone from the stream, and no second
   entry of the group can be added: below);
-- if it has a dispatch position below the done watermark (every position below is done, so a late send of the
-  group is refused by the producer script without the index), and no conflicting second outcome (kept whole for
-  inspection): folds its outcome into the counts ``BrokerKeys.pruned`` (generated, produced, trained, dropped,
+- if it has a dispatch position that is done (below the done watermark, or in its epoch's done set until the
+  watermark passes it: either way the producer script refuses a late send of the group without the index), and
+  no conflicting second outcome (kept whole for inspection): folds its outcome into the counts ``BrokerKeys.pruned`` (generated, produced, trained, dropped,
   dropped:<reason>, dead_lettered, lost for a group retired without an outcome) and deletes its index entry,
   outcome, drop record and drop-index entry, in the same atomic step.
 
-The head of the list waits while its position is not yet below the watermark (a holder that produced and died
-before completing: the position is re-leased and completed within a lease TTL or two); a group without a
+The head of the list waits while its position is not done (a holder that produced and died before completing:
+the position is taken over after a lease TTL and completed by the new holder, whose send meets the index); a group without a
 position (a producer outside the dispatch: tests, benchmarks) keeps its index entry and outcome forever. The
 audit (broker.outcomes) adds the counts to what it finds live. docs/broker.md, "Bounded state", has the why.
 """
@@ -35,8 +35,9 @@ PRUNE = (
     DONE_LUA
     + """
 -- KEYS: 1 retired list, 2 group-id hash, 3 outcomes, 4 outcome conflicts, 5 dropped stream, 6 dropped index,
---       7 pruned counts, 8 done watermark, 9 trajectory stream
--- ARGV: 1 groups to keep, 2 most groups per call, 3 acknowledged-set key prefix (+ consumer group)
+--       7 pruned counts, 8 done watermark, 9 trajectory stream, 10 dispatch meta
+-- ARGV: 1 groups to keep, 2 most groups per call, 3 acknowledged-set key prefix (+ consumer group),
+--       4 done-set key prefix (+ epoch)
 local function prune_group(gid, id)
   local orig = redis.call('HGET', KEYS[2], gid)
   if id ~= '' and orig and orig ~= id then return end  -- a copy: the original's own turn prunes the group
@@ -68,11 +69,12 @@ if redis.call('EXISTS', KEYS[9]) == 1 then
   end
 end
 local keep, most = tonumber(ARGV[1]), tonumber(ARGV[2])
-local below = done_below(KEYS[8])
 local n = 0
 while n < most and redis.call('LLEN', KEYS[1]) > keep do
   local gid, pos, id = string.match(redis.call('LINDEX', KEYS[1], 0), '^(.*)|([^|]*)|([^|]*)$')
-  if pos ~= '' and tonumber(pos) >= below then break end  -- a late send could still come: wait
+  -- a position not done yet (its holder produced, then died before completing) is leased again, and the new
+  -- holder's send must still meet the index: wait
+  if pos ~= '' and not is_done_at(KEYS[8], KEYS[10], ARGV[4], pos) then break end
   redis.call('LPOP', KEYS[1])
   n = n + 1
   for _, set in ipairs(acked) do redis.call('SREM', set, gid) end
@@ -97,6 +99,6 @@ class Pruner:
         how many left the retired list."""
         k = self.keys
         keys = [k.retired, k.group_ids, k.outcomes, k.outcome_conflicts, k.dropped, k.dropped_index]
-        keys += [k.pruned, self.dispatch.done_below, k.stream]
-        args = [self.config.keep_groups, self.config.prune_batch, k.acked_prefix]
+        keys += [k.pruned, self.dispatch.done_below, k.stream, self.dispatch.meta]
+        args = [self.config.keep_groups, self.config.prune_batch, k.acked_prefix, self.dispatch.done_prefix]
         return int(await self._prune(keys=keys, args=args))

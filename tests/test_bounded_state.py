@@ -155,6 +155,30 @@ async def test_a_late_send_of_a_pruned_group_is_refused_and_a_done_position_neve
     assert fresh is not None and (fresh.position, fresh.source) == (6, "leased")
 
 
+async def test_a_group_whose_holder_died_before_completing_is_kept_until_its_position_is_done(client) -> None:
+    cfg = CFG.model_copy(update={"keep_groups": 0})
+    p = Pipeline(client, cfg, worker="b")
+    await p.start()
+    dead = p.worker("a")
+    keys = BrokerKeys.of(SHARED, cfg)
+    leased = (await dead.lease()).lease
+    assert leased is not None
+    # a produces, then dies before completing; the learner trains the group, both groups ack it, it is trimmed
+    await Producer(client, SHARED, cfg, "a").send(group_of(leased), leased.position)
+    await dead.expire_own()
+    await p.consume(step=1)
+    gid = leased.group_id(SHARED.run_id)
+    assert await client.xlen(keys.stream) == 0 and await client.hexists(keys.group_ids, gid)
+    taken = (await p.dispatch.lease()).lease  # b takes the prompt over and sends it again: the index answers
+    assert taken is not None and taken.position == leased.position
+    assert await p.producer.send(group_of(taken), taken.position) != "" and p.producer.resent == 1
+    assert await p.dispatch.complete(taken, "produced") == "OK"
+    await p.consume(step=2)  # nothing new to read; the trim's prune now takes the group
+    assert not await client.hexists(keys.group_ids, gid)
+    report = await audit(client, SHARED, cfg)
+    assert (report.generated, report.trained, report.trained_twice, report.pruned) == (1, 1, 0, 1)
+
+
 async def test_a_late_send_of_a_rollout_dropped_group_is_refused(client) -> None:
     p = Pipeline(client, CFG, worker="b")
     await p.start()
