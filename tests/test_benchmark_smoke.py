@@ -59,6 +59,7 @@ UP_SMOKE = {
     "staleness_ablation": ["--smoke", "--from-run", "{run}", "--out", "{out}", "--work", "{work}"],
     "crash_cost": ["--smoke", "--from-run", "{run}", "--out", "{out}"],
     "launchers": ["--smoke", "--from-run", "{run}", "--out", "{out}", "--work", "{work}"],
+    "soak": ["--smoke", "--from-run", "{run}", "--out", "{out}", "--work", "{work}"],
     "vs_trl": ["--smoke", "--from-run", "{run}", "--out", "{out}"],
 }
 # no smoke mode yet, each with the reason: their command lines are checked (imported, --help), not run
