@@ -16,7 +16,8 @@ a drop and gives the group's admission capacity back is a Lua script of this mod
 time, so worker clocks do not matter) and its holder in a hash. A lease that expires (its holder died, or
 stalled longer than the TTL) is handed to the next worker that asks, before any fresh position; then a position
 handed back (front of the requeue list), then the cursor. A position is *done* when its group was produced or
-dropped; done positions are members of a per-epoch set and are never handed out again. Completion and drop are
+dropped; done positions are below the done low-watermark or members of a per-epoch set (the sets hold only those
+at or above it: docs/broker.md, "Bounded state") and are never handed out again. Completion and drop are
 single scripts, so a prompt is never both done and leased, and a prompt is recorded as dropped only by its
 current holder and only when not already done.
 
