@@ -12,8 +12,8 @@ learner's step. For each series, the least-squares slope per 1,000 steps over th
 its standard error, and an SVG plot of the series (``--svg``, default beside ``--out``).
 
 Targets (issue 38): Redis used memory and every key's size flat (slope below 1% of the value per 1,000 steps;
-keys capped by design, metrics streams and the live viewer's list, pass while under their cap), every role's RSS
-slope under 1 MB per 1,000 steps, and the run directory growing only by the archive (every other part's slope
+keys capped by design, metrics streams, the control stream and the live viewer's list, pass while under their
+cap), every role's RSS slope under 1 MB per 1,000 steps, and the run directory growing only by the archive (every other part's slope
 under 1 MB per 1,000 steps; the AOF is reported, rewritten by Redis on its own). A series passes when its slope
 is not above its bound by more than two standard errors (small keys such as the leases jitter, RSS moves by
 megabytes); ``strict`` says whether the slope itself is under the bound. The quick mode keeps 200 retired groups
@@ -40,6 +40,7 @@ from benchmarks.common import add_recorded_run_flags, mode_of, recorded_run_of, 
 from benchmarks.plot import figure, line_chart
 from broker.client import connect
 from broker.metrics import key_sizes, metrics_key
+from broker.version import CONTROL_MAXLEN
 from common.lifecycle import read_records
 
 # quick keeps 200 retired groups instead of 1,000 (broker.keep_groups), so the pruned keys reach their plateau
@@ -50,10 +51,7 @@ MODES = {
     "full": {"seconds": 7200, "warmup_s": 600, "interval_s": 30, "extra": []},
 }
 PARTS = ("archive", "checkpoints", "logs", "snapshots", "redis")
-CAPPED_PREFIXES = (
-    "metrics:",
-    "archive:recent",
-)  # trimmed to a length by design (metrics_maxlen, archive.recent)
+# keys trimmed to a length by design (a prefix -> its cap), besides the pruned per-group state
 MB = 2**20
 
 
@@ -184,7 +182,7 @@ def limit_of(name: str, last: float) -> float | None:
     return None
 
 
-def judge(name: str, points: list[tuple[float, float]], maxlen: int) -> dict[str, Any]:
+def judge(name: str, points: list[tuple[float, float]], caps: dict[str, int]) -> dict[str, Any]:
     """Slope per 1,000 steps (and its standard error) of one series after the warm-up, against its target:
     ``passed`` when the slope is under the bound (``strict``), or not above it by more than two standard errors
     (a short window and a jittery series: growth beyond the bound is not shown)."""
@@ -198,7 +196,8 @@ def judge(name: str, points: list[tuple[float, float]], maxlen: int) -> dict[str
     row.update(slope_per_1000_steps=b, stderr=se, limit=limit)
     if limit is None:
         return row
-    capped = name.startswith("key/") and name[4:].startswith(CAPPED_PREFIXES) and last <= maxlen * 1.1
+    cap = next((c for prefix, c in caps.items() if name.startswith("key/" + prefix)), None)
+    capped = cap is not None and last <= cap * 1.1  # approximate trimming overshoots a little
     row.update(strict=capped or b < limit, passed=capped or b - 2 * se < limit, capped=capped)
     return row
 
@@ -303,8 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     after = [s for s in samples if s["t"] >= params["warmup_s"] and s["step"] > 0]
     from streamrl.audit import load_run_config
 
-    maxlen = load_run_config(run_dir).broker.metrics_maxlen
-    judged = {name: judge(name, pts, maxlen) for name, pts in series(after).items()}
+    config = load_run_config(run_dir)
+    caps = {
+        "metrics:": config.broker.metrics_maxlen,
+        "control": CONTROL_MAXLEN,
+        "archive:recent": config.archive.recent,
+    }
+    judged = {name: judge(name, pts, caps) for name, pts in series(after).items()}
     failing = sorted(n for n, r in judged.items() if r["passed"] is False)
     not_strict = sorted(n for n, r in judged.items() if r.get("strict") is False)
     steps = after[-1]["step"] - after[0]["step"] if after else 0
