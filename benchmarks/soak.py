@@ -14,7 +14,8 @@ its standard error, and an SVG plot of the series (``--svg``, default beside ``-
 Targets (issue 38): Redis used memory and every key's size flat (slope below 1% of the value per 1,000 steps;
 keys capped by design, metrics streams, the control stream and the live viewer's list, pass while under their
 cap), every role's RSS slope under 1 MB per 1,000 steps, and the run directory growing only by the archive (every other part's slope
-under 1 MB per 1,000 steps; the AOF is reported, rewritten by Redis on its own). A series passes when its slope
+under 1 MB per 1,000 steps; the AOF, most of ``redis/``, is reported: Redis rewrites it once it doubles past
+64 MB, which only the full mode lasts long enough to show). A series passes when its slope
 is not above its bound by more than two standard errors (small keys such as the leases jitter, RSS moves by
 megabytes); ``strict`` says whether the slope itself is under the bound. The quick mode keeps 200 retired groups
 (``--broker.keep_groups=200``) so the pruned keys reach their plateau inside its window. The smoke mode checks the
@@ -36,7 +37,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import add_recorded_run_flags, mode_of, recorded_run_of, work_of, write_result
+from benchmarks.common import (
+    add_recorded_run_flags,
+    mode_of,
+    recorded_run_of,
+    work_of,
+    write_partial,
+    write_result,
+)
 from benchmarks.plot import figure, line_chart
 from broker.client import connect
 from broker.metrics import key_sizes, metrics_key
@@ -175,8 +183,8 @@ def limit_of(name: str, last: float) -> float | None:
     """The target's bound on a series' slope per 1,000 steps; None for a series without a target."""
     if name.startswith("role/") and name.endswith("/rss"):
         return MB
-    if name.startswith("dir/") and name not in ("dir/archive", "dir/aof"):
-        return MB
+    if name.startswith("dir/") and name not in ("dir/archive", "dir/aof", "dir/redis"):
+        return MB  # the AOF (most of redis/) is rewritten by Redis once past 64 MB: reported, not judged
     if name == "redis/used_memory" or name.startswith("key/"):
         return 0.01 * max(last, 1.0)
     return None
@@ -232,7 +240,9 @@ def up_args(run_dir: Path, extra: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
-def soak(run_dir: Path, seconds: float, interval_s: float, extra: list[str]) -> list[dict[str, Any]]:
+def soak(
+    run_dir: Path, seconds: float, interval_s: float, extra: list[str], partial: Path
+) -> list[dict[str, Any]]:
     """Run `streamrl up` for ``seconds``, sampling every ``interval_s``; then stop it with SIGTERM."""
     from common.discovery import resolve_redis_url
     from streamrl.audit import load_run_config
@@ -254,6 +264,7 @@ def soak(run_dir: Path, seconds: float, interval_s: float, extra: list[str]) -> 
             if proc.poll() is not None:
                 raise RuntimeError(f"streamrl up exited with {proc.returncode}: see {log.name}")
             samples.append(sample(run_dir, url, config, started))
+            write_partial(partial, samples)  # a soak cut short keeps what it sampled
             s = samples[-1]
             print(
                 f"t {s['t']:6.0f} s  step {s['step']:5d}  used_memory {s['used_memory'] / MB:6.2f} MB",
@@ -297,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         recorded.answer(up_args(run_dir, params["extra"]), run_dir)
         samples = replay(run_dir)
     else:
-        samples = soak(run_dir, params["seconds"], params["interval_s"], params["extra"])
+        samples = soak(run_dir, params["seconds"], params["interval_s"], params["extra"], args.out)
     # after the warm-up, and only once the learner has stepped (start-up takes minutes on a loaded machine)
     after = [s for s in samples if s["t"] >= params["warmup_s"] and s["step"] > 0]
     from streamrl.audit import load_run_config
