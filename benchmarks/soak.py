@@ -1,6 +1,6 @@
 """Soak: what grows while `streamrl up` runs as a daemon (no step limit) for a fixed time.
 
-    python -m benchmarks.soak --quick --out FILE    # 10 minutes; slopes after the first 3
+    python -m benchmarks.soak --quick --out FILE    # 10 minutes; slopes after the first 4
     python -m benchmarks.soak --out FILE            # 2 hours; slopes after the first 10 minutes
     python -m benchmarks.soak --smoke --from-run RUN_DIR --out FILE --work DIR   # no run started
 
@@ -11,13 +11,13 @@ size of every key of the run (HLEN, SCARD, XLEN, ... : ``broker.metrics.key_size
 learner's step. For each series, the least-squares slope per 1,000 steps over the samples after the warm-up, with
 its standard error, and an SVG plot of the series (``--svg``, default beside ``--out``).
 
-Targets (issue 38): Redis used memory and every key's size flat (slope below 1% of the value per 1,000 steps;
-keys capped by design, metrics streams, the control stream and the live viewer's list, pass while under their
-cap), every role's RSS slope under 1 MB per 1,000 steps, and the run directory growing only by the archive (every other part's slope
-under 1 MB per 1,000 steps; the AOF, most of ``redis/``, is reported: Redis rewrites it once it doubles past
-64 MB, which only the full mode lasts long enough to show). A series passes when its slope
-is not above its bound by more than two standard errors (small keys such as the leases jitter, RSS moves by
-megabytes); ``strict`` says whether the slope itself is under the bound. The quick mode keeps 200 retired groups
+Targets (issue 38): Redis used memory and every key's size flat (slope below 1% of the value per 1,000 steps; keys
+capped by design, metrics streams, the control stream and the live viewer's list, pass while under their cap),
+every role's RSS slope under 1 MB per 1,000 steps, and the run directory growing only by the archive (every other
+part's slope under 1 MB per 1,000 steps; the AOF, most of ``redis/``, is reported: Redis rewrites it once it
+doubles past 64 MB, which only the full mode lasts long enough to show). A series passes when its slope is not
+above its bound by more than two standard errors (small keys such as the leases jitter, RSS moves by megabytes);
+``strict`` says whether the slope itself is under the bound. The quick mode keeps 200 retired groups
 (``--broker.keep_groups=200``) so the pruned keys reach their plateau inside its window. The smoke mode checks the
 command line and samples a recorded run's files and its Redis (started on its AOF) three times: its numbers are no
 measurement.
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    add_recorded_run_flags(parser, "10 minutes of `streamrl up`, slopes after the first 3")
+    add_recorded_run_flags(parser, "10 minutes of `streamrl up`, slopes after the first 4")
     parser.add_argument("--out", type=Path, required=True, help="result JSON")
     parser.add_argument("--svg", type=Path, help="the plot (default: --out with .svg)")
     parser.add_argument("--work", type=Path, help="the run directory's parent (default: a temporary one)")
