@@ -86,17 +86,19 @@ def _proc_stats(pid: int) -> tuple[int, int, int]:
 
 
 def role_stats(run_dir: Path) -> dict[str, dict[str, int]]:
-    """Per role (supervisor name; ``redis-server``): RSS, fds and threads summed over its process tree."""
+    """Per role (supervisor name): RSS, fds and threads summed over its process tree (the redis role's holds the
+    server); ``up``, the supervisor, by itself (its tree is every role)."""
     roles = [(r.name, r.pid) for r in read_records(run_dir / "processes.json")]
-    roles += [("redis-server", r.pid) for r in read_records(run_dir / "redis" / "pid")]
+    if "redis" not in dict(roles):  # a server the supervisor did not start (the smoke's replay)
+        roles += [("redis-server", r.pid) for r in read_records(run_dir / "redis" / "pid")]
     out: dict[str, dict[str, int]] = {}
     for name, pid in roles:
         tree, todo = [], [pid]
-        while todo:
+        while todo and name != "up":
             pid = todo.pop()
             tree.append(pid)
             todo += _proc_children(pid)
-        stats = [_proc_stats(p) for p in tree]
+        stats = [_proc_stats(p) for p in tree or [pid]]
         if any(s[0] for s in stats):
             out[name] = {k: sum(s[i] for s in stats) for i, k in enumerate(("rss", "fds", "threads"))}
     return out
@@ -160,6 +162,15 @@ def slope(points: list[tuple[float, float]]) -> tuple[float, float] | None:
     return b, se
 
 
+def per_key(sizes: dict[str, int]) -> dict[str, int]:
+    """Key sizes with the keys made per group (a payload stored by reference) counted together under one name."""
+    out: dict[str, int] = {"trajectories:payload:*": 0}
+    for key, size in sizes.items():
+        name = "trajectories:payload:*" if key.startswith("trajectories:payload:") else key
+        out[name] = out.get(name, 0) + size
+    return out
+
+
 def series(samples: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
     """Every sampled quantity as (step, value) points, by a flat name."""
     out: dict[str, list[tuple[float, float]]] = {}
@@ -169,7 +180,7 @@ def series(samples: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]
 
     for s in samples:
         add("redis/used_memory", s["step"], s["used_memory"])
-        for key, size in s["keys"].items():
+        for key, size in per_key(s["keys"]).items():
             add(f"key/{key}", s["step"], size)
         for role, stats in s["roles"].items():
             for k, v in stats.items():
@@ -197,6 +208,7 @@ def judge(name: str, points: list[tuple[float, float]], caps: dict[str, int]) ->
     fit = slope(points)
     last = points[-1][1] if points else 0.0
     row: dict[str, Any] = {"last": last, "samples": len(points), "slope_per_1000_steps": None, "passed": None}
+    row["change"] = last - points[0][1] if points else 0.0  # over the window, beside the extrapolated slope
     limit = limit_of(name, last)
     if fit is None:
         return row
@@ -220,13 +232,14 @@ def svg(all_series: dict[str, list[tuple[float, float]]]) -> str:
         )[:top]
         return {n[len(prefix) :]: [(x, y / scale) for x, y in all_series[n]] for n in chosen}
 
-    charts = [
-        line_chart(pick("redis/", MB), "Redis used memory", "learner step", "MB"),
-        line_chart(pick("key/", 1), "largest Redis keys", "learner step", "elements"),
-        line_chart(pick("role/", MB), "RSS by role", "learner step", "MB"),
-        line_chart(pick("dir/", MB), "run directory by part", "learner step", "MB"),
+    panels = [
+        (pick("redis/", MB), "Redis used memory", "MB"),
+        (pick("key/", 1), "largest Redis keys", "elements"),
+        (pick("role/", MB), "RSS by role", "MB"),
+        (pick("dir/", MB), "run directory by part", "MB"),
     ]
-    return figure([c for c in charts if "polyline" in c])
+    charts = [line_chart(data, title, "learner step", unit) for data, title, unit in panels if data]
+    return figure(charts)
 
 
 # -- the run -------------------------------------------------------------------------------------------------

@@ -187,7 +187,7 @@ _SIZE_COMMANDS = {"hash": "HLEN", "set": "SCARD", "zset": "ZCARD", "list": "LLEN
 
 async def key_sizes(client: aioredis.Redis, shared: SharedConfig) -> dict[str, int]:
     """Every key of the run (after its ``streamrl:<run>:`` prefix) -> its size in elements (HLEN, SCARD, ZCARD,
-    LLEN, XLEN; STRLEN for a string): what grows with the run shows here (soak benchmark, bounded-state test)."""
+    LLEN, XLEN; a string is one): what grows with the run shows here (soak benchmark, bounded-state test)."""
     prefix = shared.key("")
     names = [_text(k) async for k in client.scan_iter(match=prefix + "*", count=1000)]
     pipe = client.pipeline(transaction=False)
@@ -196,7 +196,7 @@ async def key_sizes(client: aioredis.Redis, shared: SharedConfig) -> dict[str, i
     types = [_text(t) for t in await pipe.execute()]
     pipe = client.pipeline(transaction=False)
     for name, kind in zip(names, types, strict=True):
-        pipe.execute_command(_SIZE_COMMANDS.get(kind, "STRLEN"), name)
+        pipe.execute_command(_SIZE_COMMANDS.get(kind, "EXISTS"), name)  # EXISTS: 1 for a string
     sizes = await pipe.execute(raise_on_error=False)
     return {
         n[len(prefix) :]: int(s) for n, s in zip(names, sizes, strict=True) if not isinstance(s, Exception)
