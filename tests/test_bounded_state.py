@@ -226,3 +226,15 @@ async def test_the_memory_stream_prunes_its_acknowledged_set_and_stays_idempoten
     assert stream.acked == {g.group_id for g in groups[-2:]}
     await producer.send(groups[0])  # the index is kept: no position, no pruning of it
     assert producer.resent == 1 and not stream.entries and await source.read(block_ms=0) == []
+
+
+async def test_one_trim_and_one_prune_do_bounded_work(client) -> None:
+    cfg = CFG.model_copy(update={"keep_groups": 0, "prune_batch": 10})
+    p = Pipeline(client, cfg)
+    await p.start()
+    await p.generate(25)  # 23 produced (positions 9 and 19 dropped by the rollout worker, retired at once)
+    await p.learner.ack(await p.learner.read(count=64, block_ms=0))
+    await p.archive.ack(await p.archive.read(count=64, block_ms=0))
+    keys = BrokerKeys.of(SHARED, cfg)
+    assert [await p.learner.trim() for _ in range(4)] == [10, 10, 3, 0]
+    assert await client.llen(keys.retired) == 0 and await client.hlen(keys.group_ids) == 0
