@@ -178,10 +178,17 @@ async def audit(
 ) -> AuditReport:
     """Account for every group of the run (see :class:`AuditReport`)."""
     keys = BrokerKeys.of(shared, config)
-    pruned = {_text(k): int(v) for k, v in (await client.hgetall(keys.pruned)).items()}
-    produced = {_text(g) for g in await client.hkeys(keys.group_ids)}
-    outcomes = await read_outcomes(client, keys)
-    conflicts = await read_conflicts(client, keys)
+    # one transaction: a prune between the reads would leave a group in neither the counts nor the hashes
+    pipe = client.pipeline(transaction=True)
+    pipe.hgetall(keys.pruned)
+    pipe.hkeys(keys.group_ids)
+    pipe.hgetall(keys.outcomes)
+    pipe.hgetall(keys.outcome_conflicts)
+    raw_pruned, raw_gids, raw_outcomes, raw_conflicts = await pipe.execute()
+    pruned = {_text(k): int(v) for k, v in raw_pruned.items()}
+    produced = {_text(g) for g in raw_gids}
+    outcomes = {_text(g): Outcome.from_json(doc) for g, doc in raw_outcomes.items()}
+    conflicts = {_text(g): Outcome.from_json(doc) for g, doc in raw_conflicts.items()}
     in_stream = await _stream_gids(client, keys, config.consumer_group)
     rollout_drops = {g for g, o in outcomes.items() if o.source == "rollout"}
     generated = produced | rollout_drops
