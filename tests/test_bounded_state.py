@@ -191,8 +191,11 @@ async def test_a_late_send_of_a_rollout_dropped_group_is_refused(client) -> None
     taken = (await p.dispatch.lease()).lease
     assert taken is not None and taken.position == leased.position
     assert await p.dispatch.complete(taken, "dropped", reason="engine_failures") == "OK"
-    assert await Producer(client, SHARED, CFG, "a").send(group_of(leased), leased.position) == ""
+    # the late send stores its payload beside the entry first: the refusal deletes it
+    by_reference = CFG.model_copy(update={"inline_max_bytes": 0})
+    assert await Producer(client, SHARED, by_reference, "a").send(group_of(leased), leased.position) == ""
     assert await p.learner.read(count=64, block_ms=0) == []
+    assert not [k async for k in client.scan_iter(match=BrokerKeys.of(SHARED, CFG).payload_prefix + "*")]
     assert (await audit(client, SHARED, CFG)).ok
 
 
