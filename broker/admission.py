@@ -16,7 +16,8 @@ a drop and gives the group's admission capacity back is a Lua script of this mod
 time, so worker clocks do not matter) and its holder in a hash. A lease that expires (its holder died, or
 stalled longer than the TTL) is handed to the next worker that asks, before any fresh position; then a position
 handed back (front of the requeue list), then the cursor. A position is *done* when its group was produced or
-dropped; done positions are members of a per-epoch set and are never handed out again. Completion and drop are
+dropped; done positions are below the done low-watermark or members of a per-epoch set (the sets hold only those
+at or above it: docs/broker.md, "Bounded state") and are never handed out again. Completion and drop are
 single scripts, so a prompt is never both done and leased, and a prompt is recorded as dropped only by its
 current holder and only when not already done.
 
@@ -73,6 +74,34 @@ local function move(key, src, dst, n)
   end
   redis.call('HINCRBY', key, dst, n)
   return 1
+end
+"""
+
+# The done low-watermark: every position below it is done, and the per-epoch done sets hold only done positions at
+# or above it (docs/broker.md, "Bounded state"). is_done answers for any position; mark_done adds one and advances
+# the watermark over the positions now contiguous with it, taking them out of their sets (at most 10,000 a call,
+# so a deployment that predates the watermark catches up over a few calls without blocking Redis).
+DONE_LUA = """
+local function done_below(below)
+  return tonumber(redis.call('GET', below) or '0')
+end
+local function is_done(below, set, pos)
+  return tonumber(pos) < done_below(below) or redis.call('SISMEMBER', set, pos) == 1
+end
+local function is_done_at(below, meta, prefix, pos)  -- the set found through the run's prompt count
+  if tonumber(pos) < done_below(below) then return true end
+  local n = tonumber(redis.call('HGET', meta, 'num_prompts') or '0')
+  return n > 0 and redis.call('SISMEMBER', prefix .. math.floor(tonumber(pos) / n), pos) == 1
+end
+local function mark_done(below, set, prefix, n, pos)
+  redis.call('SADD', set, pos)
+  if not n then return end  -- no lease was ever granted (no meta): nothing to advance over
+  local w = done_below(below)
+  local start = w
+  while w - start < 10000 and redis.call('SREM', prefix .. math.floor(w / n), tostring(w)) == 1 do
+    w = w + 1
+  end
+  if w > start then redis.call('SET', below, w) end
 end
 """
 
@@ -143,8 +172,9 @@ class RedisCounters:
 
 _LEASE = (
     COUNTERS_LUA
+    + DONE_LUA
     + """
--- KEYS: 1 meta, 2 cursor, 3 leases, 4 holders, 5 requeue, 6 stats, 7 admission counters
+-- KEYS: 1 meta, 2 cursor, 3 leases, 4 holders, 5 requeue, 6 stats, 7 admission counters, 8 done watermark
 -- ARGV: 1 worker, 2 ttl ms, 3 num prompts, 4 max positions (0: unbounded), 5 max running,
 --       6 base outstanding ((eta + 1) * groups_per_step), 7 seed, 8 task, 9 done-set key prefix (+ epoch)
 local n = tonumber(ARGV[3])
@@ -177,7 +207,7 @@ local source = 'leased'
 while true do
   local head = redis.call('LINDEX', KEYS[5], 0)
   if not head then break end
-  if redis.call('SISMEMBER', ARGV[9] .. math.floor(tonumber(head) / n), head) == 1 then
+  if is_done(KEYS[8], ARGV[9] .. math.floor(tonumber(head) / n), head) then
     redis.call('LPOP', KEYS[5])
   else
     pos = head
@@ -222,15 +252,17 @@ end
 _COMPLETE = (
     _SLOT_LUA
     + RECORDS_LUA
+    + DONE_LUA
     + """
 -- KEYS: 1 leases, 2 holders, 3 done set (the position's epoch), 4 requeue, 5 stats, 6 admission counters,
---       7 dropped stream, 8 dropped index, 9 broker counters, 10 outcomes, 11 outcome conflicts
+--       7 dropped stream, 8 dropped index, 9 broker counters, 10 outcomes, 11 outcome conflicts,
+--       12 done watermark, 13 meta, 14 retired groups (broker.retention)
 -- ARGV: 1 worker, 2 position, 3 outcome ('produced' | 'dropped'), 4 group id, 5 reason,
---       6 outcome document of a drop, 7.. drop fields
+--       6 outcome document of a drop, 7 done-set key prefix (+ epoch), 8.. drop fields
 local pos = ARGV[2]
 local leased = redis.call('ZSCORE', KEYS[1], pos)
 local holder = redis.call('HGET', KEYS[2], pos) or ''
-if redis.call('SISMEMBER', KEYS[3], pos) == 1 then
+if is_done(KEYS[12], KEYS[3], pos) then
   if leased then  -- never granted for a done position; free the slot if it ever happens
     redis.call('ZREM', KEYS[1], pos)
     redis.call('HDEL', KEYS[2], pos)
@@ -243,7 +275,7 @@ if ARGV[3] == 'dropped' and ((not leased) or holder ~= ARGV[1]) then
   redis.call('HINCRBY', KEYS[5], 'lost_drops', 1)
   return {'LOST', holder}
 end
-redis.call('SADD', KEYS[3], pos)
+mark_done(KEYS[12], KEYS[3], ARGV[7], tonumber(redis.call('HGET', KEYS[13], 'num_prompts')), pos)
 if leased then
   redis.call('ZREM', KEYS[1], pos)
   redis.call('HDEL', KEYS[2], pos)
@@ -260,9 +292,10 @@ redis.call('HINCRBY', KEYS[5], ARGV[3], 1)
 if ARGV[3] == 'dropped' then
   redis.call('HINCRBY', KEYS[5], 'dropped:' .. ARGV[5], 1)
   local fields = {}
-  for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
+  for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
   record_drop(KEYS[7], KEYS[8], KEYS[9], ARGV[4], ARGV[5], fields)
   record_outcome(KEYS[10], KEYS[11], ARGV[4], ARGV[6])  -- final: the group never reaches the stream
+  redis.call('RPUSH', KEYS[14], ARGV[4] .. '|' .. pos .. '|')  -- nothing but the audit reads it any more
 end
 if holder == ARGV[1] or holder == '' then return {'OK', holder} end
 return {'OK_OTHER', holder}
@@ -354,7 +387,8 @@ class DispatchKeys:
     requeue: str  # list of handed-back positions, handed out first
     stats: str  # hash of counters (leased, requeued, taken_over, produced, dropped, released, anomalies, ...)
     workers: str  # hash: worker id -> last renewal (s, Redis server time)
-    done_prefix: str  # + epoch: set of the epoch's done positions
+    done_prefix: str  # + epoch: set of the epoch's done positions at or above the watermark
+    done_below: str  # the done low-watermark: every position below it is done (in no set any more)
 
     @classmethod
     def of(cls, shared: SharedConfig, name: str = DISPATCH) -> DispatchKeys:
@@ -368,6 +402,7 @@ class DispatchKeys:
             stats=f"{base}:stats",
             workers=f"{base}:workers",
             done_prefix=f"{base}:done:",
+            done_below=f"{base}:done_below",
         )
 
     def done(self, epoch: int) -> str:
@@ -435,7 +470,7 @@ class PromptLeases:
         and checked on every later one."""
         k = self.keys
         res = await self._lease(
-            keys=[k.meta, k.cursor, k.leases, k.holders, k.requeue, k.stats, self.counters_key],
+            keys=[k.meta, k.cursor, k.leases, k.holders, k.requeue, k.stats, self.counters_key, k.done_below],
             args=[
                 self.worker_id,
                 self.ttl_ms,
@@ -505,8 +540,11 @@ class PromptLeases:
                 b.counters,
                 b.outcomes,
                 b.outcome_conflicts,
+                k.done_below,
+                k.meta,
+                b.retired,
             ],
-            args=[self.worker_id, str(position), outcome, group_id, reason, doc, *drop_fields],
+            args=[self.worker_id, str(position), outcome, group_id, reason, doc, k.done_prefix, *drop_fields],
         )
         return _text(res[0])
 
@@ -527,8 +565,8 @@ class PromptLeases:
         return int(await self._expire_own(keys=[self.keys.leases, self.keys.holders], args=[self.worker_id]))
 
     async def done(self, epoch: int) -> set[int]:
-        """Positions of ``epoch`` that are done."""
-        return {int(_text(p)) for p in await self.client.smembers(self.keys.done(epoch))}
+        """Positions of ``epoch`` that are done: those below the done watermark and the members of its set."""
+        return await done_positions(self.client, self.keys, epoch)
 
     async def holders(self) -> dict[int, str]:
         """Every live lease: position -> holder."""
@@ -546,7 +584,7 @@ class PromptLeases:
         cursor, leases, requeued, stats = await pipe.execute()
         cursor = int(cursor or 0)
         epoch = max(0, cursor - 1) // num_prompts
-        done = await self.client.scard(k.done(epoch))
+        done = len(await self.done(epoch))
         return {
             "cursor": cursor,
             "epoch": epoch,
@@ -557,6 +595,20 @@ class PromptLeases:
             "requeued": int(requeued),
             "stats": {_text(a): int(b) for a, b in stats.items()},
         }
+
+
+async def done_positions(client: aioredis.Redis, keys: DispatchKeys, epoch: int) -> set[int]:
+    """Positions of ``epoch`` that are done: below the done watermark, or members of the epoch's set."""
+    pipe = client.pipeline(transaction=False)
+    pipe.hget(keys.meta, "num_prompts")
+    pipe.get(keys.done_below)
+    pipe.smembers(keys.done(epoch))
+    num_prompts, below, members = await pipe.execute()
+    done = {int(_text(p)) for p in members}
+    if num_prompts is not None:
+        n = int(num_prompts)
+        done.update(range(epoch * n, min(int(below or 0), (epoch + 1) * n)))
+    return done
 
 
 class DropRecorder:

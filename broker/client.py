@@ -132,6 +132,10 @@ class BrokerKeys:
         str  # hash version -> resume point (broker.staleness.Lineage): the weights a resumed version holds
     )
     control: str  # control stream of version announcements (also the pub/sub channel name)
+    retired: (
+        str  # list "gid|position|entry id" of groups nothing but the audit reads any more (broker.retention)
+    )
+    pruned: str  # hash: counts of the pruned groups by outcome, which the audit adds to the live ones
     archive_recent: str  # list of the latest samples the archiver read, JSON (the dashboard's live viewer)
     archive_status: str  # hash: the archiver's counters and its last error (archiver.archive)
 
@@ -154,6 +158,8 @@ class BrokerKeys:
             version_token=shared.key("policy_version:token"),
             lineage=shared.key("policy_version:lineage"),
             control=shared.key(config.control_stream),
+            retired=shared.key(f"{s}:retired"),
+            pruned=shared.key("outcomes:pruned"),
             archive_recent=shared.key("archive:recent"),
             archive_status=shared.key("archive:status"),
         )

@@ -90,6 +90,18 @@ class BrokerConfig(Section):
         ge=1,
         description="Expiry of a stored payload until its entry is added (a crashed send leaves none).",
     )
+    keep_groups: int = Field(
+        1000,
+        ge=0,
+        description="Retired groups (trimmed from the stream) whose outcome, index and drop record stay in Redis "
+        "for inspection; older ones are pruned into counts (docs/broker.md, Bounded state).",
+    )
+    prune_batch: int = Field(
+        2000,
+        ge=1,
+        description="Most entries one trim removes and most groups one prune call folds, so Redis never blocks "
+        "long.",
+    )
     tune_allocator: bool = Field(
         True,
         description="Let glibc keep freed payload-sized buffers for reuse (see broker.client.tune_allocator).",

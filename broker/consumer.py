@@ -42,6 +42,7 @@ from broker.config import BrokerConfig
 from broker.outcomes import RECORDS_LUA, Outcome
 from broker.protocols import Delivery, DropRecord, check_drop_reason
 from broker.record import KNOWN_SCHEMA_VERSIONS, RecordError, TrajectoryGroup
+from broker.retention import Pruner
 from broker.staleness import StalenessCounters
 from common.config import SharedConfig
 
@@ -152,7 +153,9 @@ return 1
 _TRIM = (
     STREAM_ID_LUA
     + """
--- KEYS: 1 stream. Trim below the oldest entry that any consumer group has pending or not yet delivered.
+-- KEYS: 1 stream, 2 retired groups (broker.retention). ARGV: 1 most entries per call.
+-- Trim below the oldest entry that any consumer group has pending or not yet delivered (at most ARGV[1] entries
+-- a call), putting each trimmed entry's group on the retired list: nothing but the audit reads it any more.
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
 if #groups == 0 then return 0 end
@@ -168,6 +171,21 @@ for _, g in ipairs(groups) do
   local p = redis.call('XPENDING', KEYS[1], name)
   if p[1] > 0 and less(p[2], keep) then keep = p[2] end
   if minid == nil or less(keep, minid) then minid = keep end
+end
+local rows = redis.call('XRANGE', KEYS[1], '-', '(' .. minid, 'COUNT', tonumber(ARGV[1]))
+if #rows == 0 then return 0 end
+if #rows == tonumber(ARGV[1]) then
+  local ms, seq = parse(rows[#rows][1])
+  minid = string.format('%d-%d', ms, seq + 1)
+end
+for _, row in ipairs(rows) do
+  local gid, pos = '', ''
+  local f = row[2]
+  for j = 1, #f, 2 do
+    if f[j] == 'gid' then gid = f[j + 1] end
+    if f[j] == 'pos' then pos = f[j + 1] end
+  end
+  if gid ~= '' then redis.call('RPUSH', KEYS[2], gid .. '|' .. pos .. '|' .. row[1]) end
 end
 return redis.call('XTRIM', KEYS[1], 'MINID', minid)
 """
@@ -291,6 +309,7 @@ class Consumer:
         self._dead_letter = client.register_script(_DEAD_LETTER)
         self._drops = DropRecorder(client, self.keys)
         self._trim = client.register_script(_TRIM)
+        self._pruner = Pruner(client, shared, config)
         self._handed: dict[str, tuple[str, str]] = {}  # entry id -> (group id, payload key): not yet acked
         self._handed_gids: dict[str, str] = {}  # group id -> entry id
         self._seen_connects = -1  # connection count at the last recovery; -1: never recovered
@@ -574,9 +593,13 @@ class Consumer:
         return _text(rows[0][1].get(b"reason", b"dropped"))
 
     async def trim(self) -> int:
-        """XTRIM MINID below the oldest entry any consumer group has pending or not yet delivered; returns how
-        many entries were removed. Never removes an unacknowledged entry."""
-        return int(await self._trim(keys=[self.keys.stream]))
+        """XTRIM MINID below the oldest entry any consumer group has pending or not yet delivered (at most
+        ``prune_batch`` entries a call), then prune the state of groups retired long enough
+        (broker.retention); returns how many entries were removed. Never removes an unacknowledged entry."""
+        keys = [self.keys.stream, self.keys.retired]
+        trimmed = int(await self._trim(keys=keys, args=[self.config.prune_batch]))
+        await self._pruner.prune()
+        return trimmed
 
 
 async def dead_letters(client: aioredis.Redis, shared: SharedConfig, config: BrokerConfig) -> list[dict]:

@@ -9,14 +9,15 @@ per group id and gives the group's admission capacity back once; an acknowledgem
 outcome (the first one stays, a different second one is a conflict) and a repeat changes nothing. Payloads go
 through the codec both ways, so what a source hands out is validated and decoded as from Redis.
 
-Not kept: more than one consumer group, payloads by reference, trimming by the archive's group, reconnects.
+Not kept: more than one consumer group, payloads by reference, trimming by the archive's group, reconnects, the
+prompt dispatch (so of the pruning of broker.retention only the acknowledged set's applies).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from broker.admission import give_back
@@ -45,7 +46,8 @@ class MemoryStream:
         self.group_ids: dict[str, str] = {}  # group id -> entry id of its first send
         self.pending: dict[str, _Pending] = {}  # entry id -> its current delivery, until acknowledged
         self.delivered = 0  # entries of `entries` delivered so far, in order (the group's last-delivered id)
-        self.acked: set[str] = set()  # group ids acknowledged
+        self.acked: set[str] = set()  # group ids acknowledged (pruned past keep_groups trimmed groups)
+        self.retired: deque[str] = deque()  # group ids of trimmed entries, oldest first
         self.drops: dict[str, tuple[str, str]] = {}  # group id -> (record id, reason)
         self.dead_letters: dict[str, str] = {}  # entry id -> reason
         self.outcomes: dict[str, Outcome] = {}  # group id -> its final outcome (the first one recorded)
@@ -96,8 +98,10 @@ class MemoryProducer:
         self.sent = 0  # groups this producer added
         self.resent = 0  # sends whose group id was already in the stream
 
-    async def send(self, group: TrajectoryGroup) -> str:
-        """Validate and add ``group`` once (idempotent by group id), waiting while the backlog is at its bound."""
+    async def send(self, group: TrajectoryGroup, position: int | None = None) -> str:
+        """Validate and add ``group`` once (idempotent by group id), waiting while the backlog is at its bound.
+        ``position`` is accepted for the seam and not used: there is no prompt dispatch in memory, so the group-id
+        index is never pruned (as for a Redis producer without a position)."""
         payload = encode(group)  # validates; a RecordError names the field
         config = self.stream.config
         known = group.group_id in self.stream.group_ids
@@ -244,6 +248,10 @@ class MemorySource:
         ids = list(self.stream.entries)
         keep_from = min([ids.index(i) for i in self.stream.pending] + [self.stream.delivered])
         for entry_id in ids[:keep_from]:
-            del self.stream.entries[entry_id]
+            self.stream.retired.append(self.stream.entries.pop(entry_id)[0])
         self.stream.delivered -= keep_from
+        # Bounded state (broker.retention) for groups without a dispatch position, the only kind here: past the
+        # newest keep_groups, a retired group leaves the acknowledged set; its index entry and outcome stay.
+        while len(self.stream.retired) > self.config.keep_groups:
+            self.stream.acked.discard(self.stream.retired.popleft())
         return keep_from

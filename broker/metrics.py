@@ -180,3 +180,24 @@ class MetricsReader:
         if not res:
             return []
         return [(_text(i), {_text(k): parse_number(v) for k, v in f.items()}) for i, f in res[0][1]]
+
+
+_SIZE_COMMANDS = {"hash": "HLEN", "set": "SCARD", "zset": "ZCARD", "list": "LLEN", "stream": "XLEN"}
+
+
+async def key_sizes(client: aioredis.Redis, shared: SharedConfig) -> dict[str, int]:
+    """Every key of the run (after its ``streamrl:<run>:`` prefix) -> its size in elements (HLEN, SCARD, ZCARD,
+    LLEN, XLEN; a string is one): what grows with the run shows here (soak benchmark, bounded-state test)."""
+    prefix = shared.key("")
+    names = [_text(k) async for k in client.scan_iter(match=prefix + "*", count=1000)]
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.type(name)
+    types = [_text(t) for t in await pipe.execute()]
+    pipe = client.pipeline(transaction=False)
+    for name, kind in zip(names, types, strict=True):
+        pipe.execute_command(_SIZE_COMMANDS.get(kind, "EXISTS"), name)  # EXISTS: 1 for a string
+    sizes = await pipe.execute(raise_on_error=False)
+    return {
+        n[len(prefix) :]: int(s) for n, s in zip(names, sizes, strict=True) if not isinstance(s, Exception)
+    }

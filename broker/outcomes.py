@@ -125,7 +125,8 @@ class AuditReport:
     trained_twice: int = 0
     conflicting: int = 0  # groups with two different final outcomes (trained twice is one kind)
     lost: int = 0  # generated, with no outcome and not in the stream
-    lost_ids: list[str] = field(default_factory=list)  # the first few, to look up
+    lost_ids: list[str] = field(default_factory=list)  # the first few live ones, to look up
+    pruned: int = 0  # of ``generated``: pruned from Redis (broker.retention), counted by outcome, not by id
     ok: bool = True
 
     def as_dict(self) -> dict[str, Any]:
@@ -177,14 +178,23 @@ async def audit(
 ) -> AuditReport:
     """Account for every group of the run (see :class:`AuditReport`)."""
     keys = BrokerKeys.of(shared, config)
-    produced = {_text(g) for g in await client.hkeys(keys.group_ids)}
-    outcomes = await read_outcomes(client, keys)
-    conflicts = await read_conflicts(client, keys)
+    # one transaction: a prune between the reads would leave a group in neither the counts nor the hashes
+    pipe = client.pipeline(transaction=True)
+    pipe.hgetall(keys.pruned)
+    pipe.hkeys(keys.group_ids)
+    pipe.hgetall(keys.outcomes)
+    pipe.hgetall(keys.outcome_conflicts)
+    raw_pruned, raw_gids, raw_outcomes, raw_conflicts = await pipe.execute()
+    pruned = {_text(k): int(v) for k, v in raw_pruned.items()}
+    produced = {_text(g) for g in raw_gids}
+    outcomes = {_text(g): Outcome.from_json(doc) for g, doc in raw_outcomes.items()}
+    conflicts = {_text(g): Outcome.from_json(doc) for g, doc in raw_conflicts.items()}
     in_stream = await _stream_gids(client, keys, config.consumer_group)
     rollout_drops = {g for g, o in outcomes.items() if o.source == "rollout"}
     generated = produced | rollout_drops
     report = AuditReport(generated=len(generated), produced=len(produced))
     reasons: Counter[str] = Counter()
+    _add_pruned(report, reasons, pruned)
     for o in outcomes.values():
         if o.outcome == "trained":
             report.trained += 1
@@ -203,9 +213,23 @@ async def audit(
         1 for g, o in conflicts.items() if o.outcome == "trained" and outcomes[g].outcome == "trained"
     )
     lost = sorted(generated - set(outcomes) - in_stream)
-    report.lost, report.lost_ids = len(lost), lost[:max_ids]
+    report.lost, report.lost_ids = report.lost + len(lost), lost[:max_ids]
     report.ok = report.lost == 0 and report.conflicting == 0
     return report
+
+
+def _add_pruned(report: AuditReport, reasons: Counter[str], pruned: dict[str, int]) -> None:
+    """Start the report from the counts of the pruned groups (broker.retention): exact totals, no ids."""
+    report.pruned = pruned.get("generated", 0)
+    report.generated += report.pruned
+    report.produced += pruned.get("produced", 0)
+    report.trained = pruned.get("trained", 0)
+    report.dropped = pruned.get("dropped", 0)
+    report.dead_lettered = pruned.get("dead_lettered", 0)
+    report.lost = pruned.get("lost", 0)
+    for name, count in pruned.items():
+        if name.startswith("dropped:"):
+            reasons[name.split(":", 1)[1]] += count
 
 
 def format_audit(report: AuditReport) -> str:
@@ -222,6 +246,7 @@ def format_audit(report: AuditReport) -> str:
             else ""
         ),
         f"pending        {report.pending} (in the stream, not consumed yet)",
+        f"pruned         {report.pruned} (of generated: counted by outcome, no longer by id)",
         f"trained twice  {report.trained_twice}",
         f"lost           {report.lost}" + (f": {', '.join(report.lost_ids)}" if report.lost_ids else ""),
     ]

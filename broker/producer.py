@@ -23,6 +23,7 @@ import uuid
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
+from broker.admission import DONE_LUA, DispatchKeys
 from broker.client import BrokerKeys
 from broker.codec import encode_buffer
 from broker.config import BrokerConfig
@@ -30,10 +31,14 @@ from broker.metrics import producer_field
 from broker.record import SCHEMA_VERSION, TrajectoryGroup
 from common.config import SharedConfig
 
-_SEND = """
--- KEYS: 1 group-id hash, 2 backlog counter, 3 stream, 4 counters hash, 5 payload key (by-reference sends)
+_SEND = (
+    DONE_LUA
+    + """
+-- KEYS: 1 group-id hash, 2 backlog counter, 3 stream, 4 counters hash, 5 payload key (by-reference sends),
+--       6 done watermark, 7 dispatch meta (broker.admission.DispatchKeys)
 -- ARGV: 1 group id, 2 max backlog, 3 schema version, 4 inline payload ('' by reference), 5 producer id,
---       6 payload bytes, 7 'ref' | 'inline', 8 payload ttl (s)
+--       6 payload bytes, 7 'ref' | 'inline', 8 payload ttl (s), 9 dispatch position ('' without one),
+--       10 done-set key prefix
 local ref = ARGV[7] == 'ref'
 local existing = redis.call('HGET', KEYS[1], ARGV[1])
 if existing then
@@ -49,6 +54,13 @@ if existing then
   redis.call('HINCRBY', KEYS[4], 'resent', 1)
   return {'DUP', existing}
 end
+-- A done position's group is in the stream (the index answered above), pruned, or dropped by a rollout worker:
+-- a late send (a dead holder's) must not add it again
+if ARGV[9] ~= '' and is_done_at(KEYS[6], KEYS[7], ARGV[10], ARGV[9]) then
+  if ref then redis.call('UNLINK', KEYS[5]) end
+  redis.call('HINCRBY', KEYS[4], 'refused_done', 1)
+  return {'DONE', ''}
+end
 if ref and redis.call('EXISTS', KEYS[5]) == 0 then return {'NOPAYLOAD', ''} end
 local backlog = tonumber(redis.call('GET', KEYS[2]) or '0')
 if backlog >= tonumber(ARGV[2]) then
@@ -57,12 +69,16 @@ if backlog >= tonumber(ARGV[2]) then
 end
 redis.call('INCR', KEYS[2])
 local id
+local fields = {'v', ARGV[3], 'gid', ARGV[1]}
+if ARGV[9] ~= '' then fields[#fields + 1] = 'pos'; fields[#fields + 1] = ARGV[9] end
 if ref then
   redis.call('PERSIST', KEYS[5])
-  id = redis.call('XADD', KEYS[3], '*', 'v', ARGV[3], 'gid', ARGV[1], 'n', ARGV[6], 'ref', KEYS[5])
+  fields[#fields + 1] = 'n'; fields[#fields + 1] = ARGV[6]
+  fields[#fields + 1] = 'ref'; fields[#fields + 1] = KEYS[5]
 else
-  id = redis.call('XADD', KEYS[3], '*', 'v', ARGV[3], 'gid', ARGV[1], 'd', ARGV[4])
+  fields[#fields + 1] = 'd'; fields[#fields + 1] = ARGV[4]
 end
+id = redis.call('XADD', KEYS[3], '*', unpack(fields))
 redis.call('HSET', KEYS[1], ARGV[1], id)
 local n = tonumber(ARGV[6])
 local p = 'producer:' .. ARGV[5] .. ':'
@@ -76,6 +92,7 @@ redis.call('HSETNX', KEYS[4], p .. 'first_ts', now)
 redis.call('HSET', KEYS[4], p .. 'last_ts', now)
 return {'OK', id}
 """
+)
 
 
 class BackpressureTimeout(TimeoutError):
@@ -94,20 +111,34 @@ class Producer:
         self.config = config
         self.producer_id = producer_id
         self.keys = BrokerKeys.of(shared, config)
+        self.dispatch = DispatchKeys.of(shared)
         self._send = client.register_script(_SEND)
         self.sent = 0  # groups this producer added
         self.resent = 0  # sends whose group id was already in the stream (retries, duplicates)
+        self.refused = (
+            0  # sends of a done dispatch position whose group is no longer indexed (DONE: not added)
+        )
         self.waits = 0  # sends that had to wait for back-pressure
         self.wait_s = 0.0
 
-    async def send(self, group: TrajectoryGroup) -> str:
+    async def send(self, group: TrajectoryGroup, position: int | None = None) -> str:
         """Validate and encode ``group``, add it once (idempotent by group id), waiting while the backlog is at
-        its bound. Returns the stream entry id (the first one, if the group id was already added)."""
+        its bound. Returns the stream entry id (the first one, if the group id was already added).
+
+        ``position``: the prompt-dispatch position the group was generated for (broker.admission). With it, a
+        group whose position is already done and whose id the index no longer holds (pruned, or dropped by a
+        rollout worker) is refused: nothing is added and ``''`` is returned; the entry carries the position,
+        which lets the broker prune the group's state later (docs/broker.md, "Bounded state"). Without it the
+        group-id index alone keeps sends idempotent, and the group's index entry is never pruned."""
         payload = encode_buffer(group)  # validates; a RecordError names the field
-        return await self.send_payload(group.group_id, payload, group.schema_version)
+        return await self.send_payload(group.group_id, payload, group.schema_version, position)
 
     async def send_payload(
-        self, group_id: str, payload: bytes | memoryview, schema_version: int = SCHEMA_VERSION
+        self,
+        group_id: str,
+        payload: bytes | memoryview,
+        schema_version: int = SCHEMA_VERSION,
+        position: int | None = None,
     ) -> str:
         """The stream path of :meth:`send` for an already encoded payload (benchmark baselines use it)."""
         by_ref = len(payload) > self.config.inline_max_bytes
@@ -115,6 +146,7 @@ class Producer:
         # adds the entry referencing it: Lua would otherwise copy it twice on the server.
         ref = self.keys.payload(group_id, uuid.uuid4().hex[:16]) if by_ref else self.keys.stream
         keys = [self.keys.group_ids, self.keys.backlog, self.keys.stream, self.keys.counters, ref]
+        keys += [self.dispatch.done_below, self.dispatch.meta]
         args = [
             group_id,
             self.config.max_backlog,
@@ -124,6 +156,8 @@ class Producer:
             len(payload),
             "ref" if by_ref else "inline",
             self.config.payload_ttl_s,
+            "" if position is None else int(position),
+            self.dispatch.done_prefix,
         ]
         waited_since: float | None = None
         store = by_ref
@@ -151,6 +185,8 @@ class Producer:
                 await self._clear_waiting(time.monotonic() - waited_since)
         if status == b"DUP":
             self.resent += 1
+        elif status == b"DONE":
+            self.refused += 1
         else:
             self.sent += 1
         return value.decode()

@@ -60,8 +60,10 @@ class DropRecord:
 class TrajectoryProducer(Protocol):
     """Sends trajectory groups (a rollout worker's side of the seam)."""
 
-    async def send(self, group: TrajectoryGroup) -> str:
-        """Validate and add ``group`` once (idempotent by group id); returns its entry id (the first one's)."""
+    async def send(self, group: TrajectoryGroup, position: int | None = None) -> str:
+        """Validate and add ``group`` once (idempotent by group id); returns its entry id (the first one's).
+        ``position``: its prompt-dispatch position, if it has one; a done position's group that is no longer
+        indexed is refused (``''``)."""
         ...
 
 

@@ -17,7 +17,9 @@ unfinished leases back (:meth:`PromptDispatcher.release`): they are handed out n
 
 **Exactly once.** Group ids are ``make_group_id(run, epoch, prompt_index, 0)``: a re-leased prompt keeps attempt
 0, so if the dead holder had in fact produced its group just before dying, the new holder's XADD is recognised
-by the producer's idempotence check (DUP) and the stream holds one entry.
+by the producer's idempotence check (DUP) and the stream holds one entry. The worker gives the producer the
+lease's position, so once the position is done a late send is refused (DONE) even after the group's index entry
+was pruned (docs/broker.md, "Bounded state").
 
 **Admission.** Every lease holds one ``running`` slot of the global admission counters; the lease grants a fresh
 position only within the bound of the worker's :class:`~broker.staleness.StalenessManager`, and completion,

@@ -301,7 +301,7 @@ class RolloutWorker:
             await self._mark_first_request()
         try:
             group = await self.workflow.generate_group(lease, group_id, self.shared.run_id, self.worker_id)
-            await self.producer.send(group)
+            await self.producer.send(group, lease.position)
             status = await self.dispatch.complete(lease, "produced")
             self._rejected_in_a_row = 0
             self.stats.groups_produced += 1

@@ -60,6 +60,7 @@ UP_SMOKE = {
     "staleness_ablation": ["--smoke", "--from-run", "{run}", "--out", "{out}", "--work", "{work}"],
     "crash_cost": ["--smoke", "--from-run", "{run}", "--out", "{out}"],
     "launchers": ["--smoke", "--from-run", "{run}", "--out", "{out}"],
+    "soak": ["--smoke", "--from-run", "{run}", "--out", "{out}", "--work", "{work}"],
     "vs_trl": ["--smoke", "--from-run", "{run}", "--out", "{out}"],
 }
 # run without --work: their temporary directories must be gone afterwards (checked with TMPDIR under tmp_path)

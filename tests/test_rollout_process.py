@@ -24,6 +24,7 @@ import pytest
 import redis.asyncio as aioredis
 import tomli_w
 
+from broker.admission import DispatchKeys, done_positions
 from broker.client import connect
 from broker.config import BrokerConfig
 from common.config import SharedConfig
@@ -152,11 +153,8 @@ async def test_sigterm_hands_unfinished_prompts_back_and_exits_0(redis_url: str,
             holders = await client.hgetall(shared.key("dispatch:holders"))
             requeued = [int(p) for p in await client.lrange(shared.key("dispatch:requeue"), 0, -1)]
             cursor = int(await client.get(shared.key("dispatch:cursor")))
-            done = {
-                int(p)
-                for e in range(cursor // PROMPTS + 1)
-                for p in await client.smembers(shared.key(f"dispatch:done:{e}"))
-            }
+            keys = DispatchKeys.of(shared)
+            done = {p for e in range(cursor // PROMPTS + 1) for p in await done_positions(client, keys, e)}
         finally:
             if proc.poll() is None:
                 proc.kill()
