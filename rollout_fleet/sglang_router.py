@@ -70,10 +70,11 @@ def router_command(
     request_timeout_s: float = 3600.0,
     prometheus_port: int | None = None,
     extra_args: Sequence[str] = (),
+    api_key: str | None = None,
 ) -> list[str]:
     """``python -m sglang_router.launch_router`` for ``engine_urls`` on ``host:port``; its Prometheus endpoint
     on ``prometheus_port`` (a free port when None: the router's fixed default, 29000, allows one router a
-    host)."""
+    host). ``api_key``: the run secret, which the router sends to the engines."""
     if policy not in POLICIES:
         raise SGLangRouterError(f"sglang router policy {policy!r}: must be one of {POLICIES}")
     if not engine_urls:
@@ -90,6 +91,7 @@ def router_command(
         "--log-level", "warn",
         "--prometheus-host", host,
         "--prometheus-port", str(prometheus_port or _free_port(host)),
+        *(["--api-key", api_key] if api_key else []),
         *extra_args,
     ]  # fmt: skip
 
@@ -179,6 +181,7 @@ def exec_router(
     policy: str = "cache_aware",
     health_check_interval_s: int = 5,
     request_timeout_s: float = 3600.0,
+    api_key: str | None = None,
 ) -> int:
     """Become the router (``exec``); returns 2 with a message when the package is missing."""
     if not sglang_router_available():
@@ -195,6 +198,7 @@ def exec_router(
         policy=policy,
         health_check_interval_s=health_check_interval_s,
         request_timeout_s=request_timeout_s,
+        api_key=api_key,
     )
     sys.stdout.flush()
     sys.stderr.flush()
@@ -211,9 +215,9 @@ def router_port(rollout: RolloutConfig) -> int:
     raise SGLangRouterError("no port for the sglang router: set rollout.sglang_router_port")
 
 
-def router_endpoint(engine: EngineConfig, rollout: RolloutConfig) -> int:
+def router_endpoint(engine: EngineConfig, rollout: RolloutConfig, api_key: str | None = None) -> int:
     """``streamrl router``: exec the router for ``rollout.engine_urls`` (else engine.count engines at
-    engine.host:base_port+i) on ``engine.host:router_port``."""
+    engine.host:base_port+i) on ``engine.host:router_port``, sending ``api_key`` (the run secret) to them."""
     urls = list(rollout.engine_urls) or [
         f"http://{engine.host}:{engine.base_port + i}" for i in range(engine.count)
     ]
@@ -224,4 +228,5 @@ def router_endpoint(engine: EngineConfig, rollout: RolloutConfig) -> int:
         policy=rollout.sglang_router_policy,
         health_check_interval_s=max(1, int(rollout.health_interval_s)),
         request_timeout_s=rollout.request_timeout_s,
+        api_key=api_key,
     )
