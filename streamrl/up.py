@@ -73,7 +73,7 @@ def _router_ready(config: StreamRLConfig) -> bool:
     from rollout_fleet.sglang_router import healthy_workers
 
     try:
-        healthy = healthy_workers(str(config.rollout.sglang_router_url))
+        healthy = healthy_workers(str(config.rollout.sglang_router_url), api_key=run_secret(config.shared))
     except (OSError, ValueError):
         return False
     return len(healthy) >= len(config.rollout.engine_urls)
