@@ -23,6 +23,10 @@ JSON API (GET only; non-finite numbers are sent as null, since JSON has none):
 - ``/api/samples?limit=N``: the latest trajectories the archiver read (archiver.archive: prompt, each completion
   token's text and policy version, reward and components), newest first, with the archiver's status;
 - ``/metrics``: the same numbers in Prometheus' text format (role ``dashboard``).
+
+With the run secret on (``shared.auth``, common.auth; always beyond loopback) everything but ``/metrics``
+answers 401 without it: a bearer header, or the cookie one visit of ``/?token=SECRET`` sets
+(:func:`login_middleware`); the engine probes send it.
 """
 
 from __future__ import annotations

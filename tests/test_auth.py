@@ -184,6 +184,11 @@ def test_a_request_without_the_key_changes_nothing_and_with_it_works(engine: tup
 
 
 async def test_the_dashboard_needs_the_key_or_its_cookie(redis_url: str, tmp_path: Path) -> None:
+    open_dashboard = DashboardConfig(host="0.0.0.0")
+    with pytest.raises(AuthError, match="dashboard.host = '0.0.0.0' binds beyond loopback"):
+        await start_dashboard(
+            redis_url, SharedConfig(run_dir=tmp_path), open_dashboard, BrokerConfig(), port=0
+        )
     shared = SharedConfig(run_id="auth", run_dir=tmp_path, auth="on")
     key = run_secret(shared)
     assert key is not None
@@ -225,6 +230,15 @@ def test_a_bind_beyond_loopback_with_auth_off_is_refused_naming_the_fields() -> 
     assert load(["--engine.host=0.0.0.0"]).shared.auth == "on"  # auto: on beyond loopback
     assert load(['--weight_sync.engine_urls=["http://node-3:30000"]']).shared.auth == "on"
     assert load([]).shared.auth == "auto" and load(["--engine.host=::1"]).shared.auth == "auto"
+    # The Ray launcher checks again once it has put the engines on node addresses (resolve_auth).
+    placed = load([])
+    placed.rollout.engine_urls = ["http://10.0.0.5:30000"]
+    placed.resolve_auth()
+    assert placed.shared.auth == "on"
+    placed = load(["--shared.auth=off"])
+    placed.weight_sync.engine_urls = ["http://10.0.0.5:30000"]
+    with pytest.raises(ValueError, match=r"shared.auth = 'off' with weight_sync.engine_urls"):
+        placed.resolve_auth()
     # ...and at a role's start, in its own process, before anything is loaded or bound.
     cmd = [sys.executable, "-m", "streamrl", "engine", "--engine.host=0.0.0.0", "--shared.auth=off"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
