@@ -281,7 +281,7 @@ class StreamRLConfig(Section):
             "rollout.engine_urls": self.rollout.engine_urls,
             "weight_sync.engine_urls": self.weight_sync.engine_urls,
             "dashboard.engine_urls": self.dashboard.engine_urls,
-            "rollout.sglang_router_url": [self.rollout.sglang_router_url or "http://127.0.0.1"],
+            "rollout.sglang_router_url": [u for u in [self.rollout.sglang_router_url] if u],
         }
         for name, listed in urls.items():
             outside = [str(u) for u in listed if not is_loopback(urlsplit(str(u)).hostname or "")]
