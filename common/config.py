@@ -49,6 +49,11 @@ class SharedConfig(Section):
         "disaggregated",
         description="disaggregated: learner and engines on their own GPUs; colocated: engines on the learner's.",
     )
+    auth: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Run secret (RUN_DIR/run_secret, 0600) on engine and dashboard HTTP: on, off, or auto (on "
+        "once a server binds or is reached beyond loopback; off beyond loopback is refused).",
+    )
     http_timeout_s: float = Field(
         30.0, gt=0, description="Timeout of every HTTP call between roles, seconds."
     )

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from broker.config import BrokerConfig
 from broker.server import free_port
+from common.auth import run_secret
 from common.config import SharedConfig
 from common.configlib import ConfigError
 from common.cpus import pin_to_cpus
@@ -62,7 +63,8 @@ def run_rank(cfg: LearnerSections) -> int:
             (lambda: [(u.rstrip("/"), ws.engine_ranks) for u in ws.engine_urls]) if ws.engine_urls else None
         )
         source = source or registry_engines(url, cfg.shared)
-        publisher = WeightSyncPublisher(ws, source, info.is_main, ws.wait_for_engines_s)
+        secret = run_secret(cfg.shared) if info.is_main else None  # rank 0 alone calls the engines
+        publisher = WeightSyncPublisher(ws, source, info.is_main, ws.wait_for_engines_s, secret)
     learner = Learner(cfg.shared, cfg.broker, cfg.learner, info, publisher, url)
     learner.install_signal_handlers()
     code = learner.run()

@@ -78,6 +78,7 @@ class WeightSyncPublisher:
         engines: Callable[[], list[tuple[str, int]]] | None,
         is_main: bool,
         wait_for_engines_s: float = 120.0,
+        api_key: str | None = None,
     ) -> None:
         self.config = config
         self.engines = engines
@@ -85,7 +86,7 @@ class WeightSyncPublisher:
         self._sleep_seconds = 0.0  # the latest before_train's pause and release
         if is_main and engines is not None:
             members = self._wait_for_engines(wait_for_engines_s)
-            self.sender = WeightSender(members, config)
+            self.sender = WeightSender(members, config, api_key)
             failed = self.sender.connect()
             if failed:
                 log.error("engines quarantined while building the update group: %s", failed)

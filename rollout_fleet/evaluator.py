@@ -38,6 +38,7 @@ from broker.client import connect
 from broker.config import BrokerConfig
 from broker.metrics import MetricsReader, MetricsWriter
 from broker.version import PolicyVersion
+from common.auth import auth_headers, run_secret
 from common.config import SharedConfig
 from common.discovery import resolve_redis_url
 from common.versioning import answer_version
@@ -273,11 +274,13 @@ async def evaluate_through_engines(
     min_version: int = 0,
     generate_timeout_s: float | None = None,
     samples: int = 1,
+    headers: Mapping[str, str] | None = None,
 ) -> EvalResult:
     """Greedy accuracy and ``samples`` sampled answers per prompt over the first ``config.heldout_prompts``
     held-out prompts, spread round-robin over the engines of ``urls`` that serve ``min_version`` or later, with
     at most ``config.concurrency`` requests in flight, scored by ``scoring``. ``timeout_s`` bounds the control
-    calls; a ``/generate`` call gets ``generate_timeout_s`` (default the same): long outputs take long."""
+    calls; a ``/generate`` call gets ``generate_timeout_s`` (default the same): long outputs take long.
+    ``headers`` go with every call (the run secret's, common.auth)."""
     started = time.monotonic()
     n = min(config.heldout_prompts, task.num_prompts(TEST))
     if n == 0:
@@ -286,7 +289,7 @@ async def evaluate_through_engines(
     greedy = SamplingConfig(temperature=0.0, stop_token_ids=stop_token_ids)
     sampled = SamplingConfig(temperature=config.sampled_temperature, stop_token_ids=stop_token_ids)
     permits = _Permits(config.concurrency)
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=headers) as session:
         ready = await engines_at_version(session, urls, min_version, min(timeout_s, 10.0))
         clients = [EngineClient(session, u, generate_timeout_s or timeout_s, timeout_s) for u in ready]
 
@@ -408,6 +411,7 @@ async def run_evaluation_once(
             min_version,
             rollout.request_timeout_s,
             samples=config.samples_per_prompt or rollout.group_size,
+            headers=auth_headers(run_secret(shared)),
         )
     metrics = result.as_metrics()
     client = connect(resolve_redis_url(shared))
@@ -452,6 +456,7 @@ async def evaluator_loop(
                         list(rollout.engine_urls), task, tokenizer, config, _stop_ids(tokenizer, rollout),
                         scoring, shared.http_timeout_s * 4, min_version=version,
                         generate_timeout_s=rollout.request_timeout_s, samples=config.live_samples_per_prompt,
+                        headers=auth_headers(run_secret(shared)),
                     )  # fmt: skip
                 except NoEngineAtVersion as exc:  # every engine behind (restarting, or out of the sync)
                     log.warning("eval of version %d postponed: %s", version, exc)

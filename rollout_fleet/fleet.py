@@ -36,6 +36,7 @@ from pathlib import Path
 import aiohttp
 
 from broker.registry import EngineRegistry, engine_id_for
+from common.auth import auth_headers, run_secret
 from common.config import SharedConfig
 from rollout_fleet.config import EngineConfig
 from rollout_fleet.generate_client import EngineClient, wait_until_healthy
@@ -77,6 +78,7 @@ def engine_command(shared: SharedConfig, engine: EngineConfig, port: int, index:
             f"--shared.torch_threads={shared.torch_threads}",
             f"--shared.run_dir={json.dumps(str(shared.run_dir))}",
             f"--shared.run_id={json.dumps(shared.run_id)}",
+            f"--shared.auth={shared.auth}",
         ]
     if engine.kind == "sglang":
         if not sglang_available():
@@ -88,14 +90,17 @@ def engine_command(shared: SharedConfig, engine: EngineConfig, port: int, index:
             sys.executable,
             "-m",
             "sglang.launch_server",
-            *sglang_server_args(engine, model, engine.host, port),
+            *sglang_server_args(engine, model, engine.host, port, run_secret(shared)),
         ]
     raise FleetError(f"engine.kind = {engine.kind!r}: must be one of {ENGINE_KINDS}")
 
 
-def sglang_server_args(engine: EngineConfig, model: Path | str, host: str, port: int) -> list[str]:
+def sglang_server_args(
+    engine: EngineConfig, model: Path | str, host: str, port: int, api_key: str | None = None
+) -> list[str]:
     """The arguments of ``python -m sglang.launch_server`` that serve ``model`` as ``[engine]`` says, on
-    ``host:port``: the one home of the SGLang launch line (the fleet, the engine role, a generated compose file)."""
+    ``host:port``, requiring ``api_key`` (the run secret) on all but its probes: the one home of the SGLang
+    launch line (the fleet, the engine role, a generated compose file)."""
     args = [
         "--model-path", str(model),
         "--host", host,
@@ -121,6 +126,8 @@ def sglang_server_args(engine: EngineConfig, model: Path | str, host: str, port:
         args.append("--disable-radix-cache")
     if engine.max_total_tokens is not None:
         args += ["--max-total-tokens", str(engine.max_total_tokens)]
+    if api_key:
+        args += ["--api-key", api_key]
     return args + list(engine.extra_args)
 
 
@@ -205,7 +212,7 @@ class Fleet:
     async def start(self) -> list[str]:
         """Launch every engine and wait until all answer /health; on a failure, stop the others and raise."""
         engine_command(self.shared, self.engine, self.engines[0].port)  # fail fast: kind, sglang, model path
-        self._session = aiohttp.ClientSession()
+        self._session = aiohttp.ClientSession(headers=auth_headers(run_secret(self.shared)))
         self._stopping = False
         try:
             await asyncio.gather(*(self._launch(m) for m in self.engines))

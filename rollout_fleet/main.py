@@ -37,6 +37,7 @@ from broker.metrics import MetricsWriter
 from broker.producer import Producer
 from broker.registry import EngineRegistry
 from broker.staleness import StalenessManager
+from common.auth import auth_headers, run_secret
 from common.config import SharedConfig
 from common.configlib import ConfigError
 from common.discovery import RedisNotFound, resolve_redis_url
@@ -141,7 +142,9 @@ async def open_worker(
         if checked:
             log.info("environment: %s", checked)
     client: aioredis.Redis = connect(redis_url, broker)
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), headers=auth_headers(run_secret(shared))
+    )
     rewards = RewardPool(
         workers=rollout.reward.workers,
         timeout_s=rollout.reward.timeout_s,

@@ -42,6 +42,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.auth import auth_headers
+
 if TYPE_CHECKING:
     from rollout_fleet.config import EngineConfig, RolloutConfig
 
@@ -70,10 +72,12 @@ def router_command(
     request_timeout_s: float = 3600.0,
     prometheus_port: int | None = None,
     extra_args: Sequence[str] = (),
+    api_key: str | None = None,
 ) -> list[str]:
     """``python -m sglang_router.launch_router`` for ``engine_urls`` on ``host:port``; its Prometheus endpoint
     on ``prometheus_port`` (a free port when None: the router's fixed default, 29000, allows one router a
-    host)."""
+    host). ``api_key``: the run secret, which the router sends to the engines and requires
+    of its own clients (401 without it: measured with sglang-router 0.3.2)."""
     if policy not in POLICIES:
         raise SGLangRouterError(f"sglang router policy {policy!r}: must be one of {POLICIES}")
     if not engine_urls:
@@ -90,6 +94,7 @@ def router_command(
         "--log-level", "warn",
         "--prometheus-host", host,
         "--prometheus-port", str(prometheus_port or _free_port(host)),
+        *(["--api-key", api_key] if api_key else []),
         *extra_args,
     ]  # fmt: skip
 
@@ -100,14 +105,16 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def _get_json(url: str, timeout_s: float) -> object:
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+def _get_json(url: str, timeout_s: float, api_key: str | None = None) -> object:
+    request = urllib.request.Request(url, headers=auth_headers(api_key))
+    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
         return json.loads(resp.read() or b"null")
 
 
-def healthy_workers(router_url: str, timeout_s: float = 2.0) -> list[str]:
-    """URLs of the engines the router has registered and counts healthy (its ``GET /workers``)."""
-    body = _get_json(router_url.rstrip("/") + "/workers", timeout_s)
+def healthy_workers(router_url: str, timeout_s: float = 2.0, api_key: str | None = None) -> list[str]:
+    """URLs of the engines the router has registered and counts healthy (its ``GET /workers``). A router
+    started with ``--api-key`` requires that key of its own clients too (401 without it)."""
+    body = _get_json(router_url.rstrip("/") + "/workers", timeout_s, api_key)
     workers = body.get("workers", []) if isinstance(body, dict) else []
     return [str(w["url"]) for w in workers if isinstance(w, dict) and w.get("is_healthy")]
 
@@ -118,6 +125,7 @@ def wait_until_ready(
     timeout_s: float,
     process: subprocess.Popen | None = None,
     poll_s: float = 0.25,
+    api_key: str | None = None,
 ) -> None:
     """Until the router answers and counts ``engines`` engines healthy; SGLangRouterError after ``timeout_s`` or
     when ``process`` exited."""
@@ -127,7 +135,7 @@ def wait_until_ready(
         if process is not None and process.poll() is not None:
             raise SGLangRouterError(f"the sglang router exited with code {process.returncode}")
         with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
-            seen = healthy_workers(router_url)
+            seen = healthy_workers(router_url, api_key=api_key)
             if len(seen) >= engines:
                 return
         if time.monotonic() >= deadline:
@@ -157,7 +165,8 @@ def running_router(
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://{host}:{port}"
     try:
-        wait_until_ready(url, len(engine_urls), ready_timeout_s, proc)
+        key = options.get("api_key")
+        wait_until_ready(url, len(engine_urls), ready_timeout_s, proc, api_key=str(key) if key else None)
         yield url
     finally:
         if proc.poll() is None:
@@ -179,6 +188,7 @@ def exec_router(
     policy: str = "cache_aware",
     health_check_interval_s: int = 5,
     request_timeout_s: float = 3600.0,
+    api_key: str | None = None,
 ) -> int:
     """Become the router (``exec``); returns 2 with a message when the package is missing."""
     if not sglang_router_available():
@@ -195,6 +205,7 @@ def exec_router(
         policy=policy,
         health_check_interval_s=health_check_interval_s,
         request_timeout_s=request_timeout_s,
+        api_key=api_key,
     )
     sys.stdout.flush()
     sys.stderr.flush()
@@ -211,9 +222,9 @@ def router_port(rollout: RolloutConfig) -> int:
     raise SGLangRouterError("no port for the sglang router: set rollout.sglang_router_port")
 
 
-def router_endpoint(engine: EngineConfig, rollout: RolloutConfig) -> int:
+def router_endpoint(engine: EngineConfig, rollout: RolloutConfig, api_key: str | None = None) -> int:
     """``streamrl router``: exec the router for ``rollout.engine_urls`` (else engine.count engines at
-    engine.host:base_port+i) on ``engine.host:router_port``."""
+    engine.host:base_port+i) on ``engine.host:router_port``, sending ``api_key`` (the run secret) to them."""
     urls = list(rollout.engine_urls) or [
         f"http://{engine.host}:{engine.base_port + i}" for i in range(engine.count)
     ]
@@ -224,4 +235,5 @@ def router_endpoint(engine: EngineConfig, rollout: RolloutConfig) -> int:
         policy=rollout.sglang_router_policy,
         health_check_interval_s=max(1, int(rollout.health_interval_s)),
         request_timeout_s=rollout.request_timeout_s,
+        api_key=api_key,
     )

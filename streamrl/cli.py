@@ -150,9 +150,10 @@ def _run_dashboard(config: StreamRLConfig) -> int:
 
 
 def _run_router(config: StreamRLConfig) -> int:
+    from common.auth import run_secret
     from rollout_fleet.sglang_router import router_endpoint
 
-    return router_endpoint(config.engine, config.rollout)
+    return router_endpoint(config.engine, config.rollout, run_secret(config.shared))
 
 
 def _run_up(config: StreamRLConfig) -> int:

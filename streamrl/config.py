@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 
 from archiver.config import ArchiveConfig
 from broker.config import BrokerConfig, RedisServerConfig
+from common.auth import is_loopback
 from common.config import SharedConfig
 from common.configlib import Section, load_config
 from common.versioning import admission_capacity
@@ -246,6 +248,46 @@ class StreamRLConfig(Section):
                 "the published version's adapter while the next one loads; keep at least 2"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_auth(self) -> StreamRLConfig:
+        self.resolve_auth()
+        return self
+
+    def resolve_auth(self) -> None:
+        """``shared.auth = "auto"`` becomes "on" when a server of the run binds, or is reached at, an address
+        beyond loopback; "off" then is refused, naming each such field. Called again by whoever changes the
+        addresses after loading (the Ray launcher places engines on node addresses)."""
+        beyond = self.beyond_loopback()
+        if not beyond:
+            return
+        if self.shared.auth == "off":
+            raise ValueError(
+                f"shared.auth = 'off' with {'; '.join(beyond)}: anyone who reaches these addresses could "
+                "control the engines; use shared.auth = 'auto' or 'on' (docs/running.md, Authentication)"
+            )
+        self.shared.auth = "on"
+
+    def beyond_loopback(self) -> list[str]:
+        """'field = value' for each server address of the run that is not loopback: the engines' and the
+        dashboard's bind addresses and the engine (or router) URLs clients call. Redis has its own password;
+        the Prometheus endpoints (dashboard.metrics_host) are read-only and open, as SGLang's /metrics is."""
+        found = [
+            f"{name} = {host!r}"
+            for name, host in (("engine.host", self.engine.host), ("dashboard.host", self.dashboard.host))
+            if not is_loopback(host)
+        ]
+        urls = {
+            "rollout.engine_urls": self.rollout.engine_urls,
+            "weight_sync.engine_urls": self.weight_sync.engine_urls,
+            "dashboard.engine_urls": self.dashboard.engine_urls,
+            "rollout.sglang_router_url": [u for u in [self.rollout.sglang_router_url] if u],
+        }
+        for name, listed in urls.items():
+            outside = [str(u) for u in listed if not is_loopback(urlsplit(str(u)).hostname or "")]
+            if outside:
+                found.append(f"{name} = {outside}")
+        return found
 
     def served_adapter_name(self) -> Callable[[int], str] | None:
         """With LoRA adapters that engines serve by name (``weight_sync.lora_sync = adapter_path``, SGLang's

@@ -23,6 +23,10 @@ JSON API (GET only; non-finite numbers are sent as null, since JSON has none):
 - ``/api/samples?limit=N``: the latest trajectories the archiver read (archiver.archive: prompt, each completion
   token's text and policy version, reward and components), newest first, with the archiver's status;
 - ``/metrics``: the same numbers in Prometheus' text format (role ``dashboard``).
+
+With the run secret on (``shared.auth``, common.auth; always beyond loopback) everything but ``/metrics``
+answers 401 without it: a bearer header, or the cookie one visit of ``/?token=SECRET`` sets
+(:func:`login_middleware`); the engine probes send it.
 """
 
 from __future__ import annotations
@@ -51,6 +55,17 @@ from broker.config import BrokerConfig
 from broker.metrics import BrokerMetrics, MetricsReader, metrics_key
 from broker.registry import EngineInfo, registry_key
 from broker.version import PolicyVersion
+from common.auth import (
+    AuthError,
+    auth_headers,
+    check_bind,
+    derived_token,
+    require_secret,
+    run_secret,
+    same_secret,
+    secret_path,
+    unauthorized,
+)
 from common.config import SharedConfig
 from common.discovery import RedisNotFound, resolve_redis_url
 from common.numbers import parse_number
@@ -67,6 +82,8 @@ ROLES_CACHE_S = 5.0
 _ROLE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _STREAM_ID = re.compile(r"^\d+(-\d+)?$")
 STATE_KEY: web.AppKey[DashboardState] = web.AppKey("dashboard_state")
+DASHBOARD_OPEN_PATHS = frozenset({"/metrics"})  # Prometheus scrapes carry no secret (SGLang's rule too)
+TOKEN_PARAM = "token"
 
 
 class BadRequest(ValueError):
@@ -167,6 +184,7 @@ class DashboardState:
     ) -> None:
         self.client = client
         self.shared = shared
+        self.secret = run_secret(shared)  # required of the browser, sent to the engines (common.auth)
         self.config = dashboard
         self.broker_config = broker
         self.reader = MetricsReader(client, shared)
@@ -239,7 +257,7 @@ class DashboardState:
     async def probe(self, view: EngineView) -> None:
         """``/model_info`` (weight version) and ``/v1/loads`` (running, waiting, throughput) of one engine."""
         if self._http is None:
-            self._http = aiohttp.ClientSession()
+            self._http = aiohttp.ClientSession(headers=auth_headers(self.secret))
         timeout = aiohttp.ClientTimeout(total=self.config.probe_timeout_s)
         try:
             async with self._http.get(f"{view.url}/model_info", timeout=timeout) as resp:
@@ -466,9 +484,40 @@ async def index(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC_DIR / "dashboard.html", headers={"Cache-Control": "no-store"})
 
 
+def _cookie_name(request: web.Request) -> str:
+    # one per port: a browser sends a host's cookies to each of its ports (two runs' dashboards, say)
+    return f"streamrl_dashboard_{request.url.port}"
+
+
+def login_middleware(secret: str) -> Any:
+    """The run secret for everything but ``/metrics`` (open, as SGLang's): a bearer header (scripts) or the
+    cookie a browser gets by opening any page once with ``?token=SECRET``, as Jupyter does. The cookie holds
+    a token derived from the secret (common.auth.derived_token), HttpOnly and SameSite=Strict, and the
+    redirect drops the secret from the address bar."""
+    cookie = derived_token(secret, "dashboard")
+    check = require_secret(
+        secret, DASHBOARD_OPEN_PATHS, lambda r: same_secret(r.cookies.get(_cookie_name(r), ""), cookie)
+    )
+
+    @web.middleware
+    async def login(request: web.Request, handler: Any) -> web.StreamResponse:
+        token = request.query.get(TOKEN_PARAM)
+        if token is None:
+            return await check(request, handler)
+        if not same_secret(token, secret):
+            return unauthorized()
+        rest = [(k, v) for k, v in request.query.items() if k != TOKEN_PARAM]
+        response = web.Response(status=303, headers={"Location": str(request.rel_url.with_query(rest))})
+        response.set_cookie(_cookie_name(request), cookie, httponly=True, samesite="Strict", path="/")
+        return response
+
+    return login
+
+
 def make_app(state: DashboardState) -> web.Application:
-    """The read-only app: the page, its static files, the JSON API and ``/metrics``. GET only."""
-    app = web.Application()
+    """The read-only app: the page, its static files, the JSON API and ``/metrics``. GET only; with a run
+    secret, behind :func:`login_middleware`."""
+    app = web.Application(middlewares=[login_middleware(state.secret)] if state.secret else [])
     app[STATE_KEY] = state
     app.router.add_get("/", index)
     app.router.add_get("/api/summary", api_summary)
@@ -512,6 +561,7 @@ async def start_dashboard(
 ) -> RunningDashboard:
     """Serve the dashboard on ``dashboard.host`` : ``port`` (default ``dashboard.port``; 0 picks a free one)
     from the running event loop. ``redis`` is a URL or a client (then the caller closes it)."""
+    check_bind("dashboard.host", dashboard.host, run_secret(shared))
     owns = isinstance(redis, str)
     client = connect(redis, broker) if isinstance(redis, str) else redis
     state = DashboardState(client, shared, dashboard, broker)
@@ -547,6 +597,9 @@ def run_dashboard(shared: SharedConfig, dashboard: DashboardConfig, broker: Brok
             loop.add_signal_handler(sig, stop.set)
         running = await start_dashboard(url, shared, dashboard, broker)
         log.info("dashboard of run %r at %s (read-only)", shared.run_id, running.url)
+        if running.state.secret:  # the secret itself stays out of the log, which is not 0600
+            log.info("open %s/?%s=SECRET once, SECRET being the contents of %s", running.url, TOKEN_PARAM,
+                     secret_path(shared))  # fmt: skip
         try:
             await stop.wait()
         finally:
@@ -558,6 +611,9 @@ def run_dashboard(shared: SharedConfig, dashboard: DashboardConfig, broker: Brok
     except OSError as exc:
         log.error("cannot serve the dashboard on %s:%d: %s", dashboard.host, dashboard.port, exc)
         return 1
+    except AuthError as exc:
+        log.error("%s", exc)
+        return 2
     return 0
 
 

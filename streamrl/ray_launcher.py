@@ -383,6 +383,10 @@ class RayLauncher:
             cfg.redis.host = (
                 self.head_ip
             )  # its URL file (RUN_DIR/redis/url) then names an address all nodes reach
+        try:  # engines on node addresses need the run secret (shared.auth "auto" becomes "on")
+            cfg.resolve_auth()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         return cfg
 
     def adapt(

@@ -43,6 +43,7 @@ import redis
 
 from broker.client import BrokerKeys
 from broker.server import free_port
+from common.auth import auth_headers, run_secret
 from common.configlib import ConfigError, dump_config
 from common.discovery import RedisNotFound, resolve_redis_url, url_file
 from common.lifecycle import read_records, stop_leftovers
@@ -59,9 +60,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("streamrl.up")
 
 
-def _http_ok(url: str) -> bool:
+def _http_ok(url: str, headers: dict[str, str] | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=2) as resp:
             return resp.status == 200
     except OSError:
         return False
@@ -72,7 +73,7 @@ def _router_ready(config: StreamRLConfig) -> bool:
     from rollout_fleet.sglang_router import healthy_workers
 
     try:
-        healthy = healthy_workers(str(config.rollout.sglang_router_url))
+        healthy = healthy_workers(str(config.rollout.sglang_router_url), api_key=run_secret(config.shared))
     except (OSError, ValueError):
         return False
     return len(healthy) >= len(config.rollout.engine_urls)
@@ -242,11 +243,12 @@ def child_specs(
     if cfg.archive.enabled:  # before any group is produced, so its consumer group sees every entry
         then.append(role("archive", "archive", up.archive_restarts, ready=lambda: _archive_ready(cfg),
                          essential=False))  # fmt: skip
+    key = auth_headers(run_secret(cfg.shared))  # the run secret, created here before any server starts
     for i, url in enumerate(cfg.rollout.engine_urls):
         port, seed = url.rsplit(":", 1)[1], json.dumps(cfg.engine.seed_of(i))
         engine = role(
             f"engine-{i}", "engine", up.engine_restarts, f"--engine.port={port}", f"--engine.seed={seed}",
-            ready=lambda u=url: _http_ok(f"{u}/model_info"),
+            ready=lambda u=url: _http_ok(f"{u}/model_info", key),
             restart="always",  # an engine exits only when told to (or when it dies)
             **({} if plan is None else {"env": plan.engine_env(i)}),
         )  # fmt: skip
@@ -275,7 +277,7 @@ def child_specs(
     if cfg.eval.every_versions > 0:
         clients.append(role("eval", "eval", up.eval_restarts))
     dash = f"http://{cfg.dashboard.host}:{cfg.dashboard.port}/"
-    clients.append(role("dashboard", "dashboard", up.dashboard_restarts, ready=lambda: _http_ok(dash)))
+    clients.append(role("dashboard", "dashboard", up.dashboard_restarts, ready=lambda: _http_ok(dash, key)))
     return [stage for stage in (servers, then) if stage], [[learner], clients]
 
 

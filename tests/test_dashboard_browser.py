@@ -27,6 +27,7 @@ from broker.record import synthetic_group
 from broker.registry import EngineRegistry
 from broker.staleness import staleness_stats
 from broker.version import PolicyVersion
+from common.auth import run_secret
 from common.config import SharedConfig
 from rollout_fleet.engine.core import Engine
 from rollout_fleet.engine.server import ServerSettings, ServerThread
@@ -57,9 +58,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-async def engine_url(model_dir: Path) -> AsyncIterator[str]:
+async def engine_url(model_dir: Path, tmp_path: Path) -> AsyncIterator[str]:
+    """An engine that requires the run secret of the test's run directory (common.auth)."""
     engine = Engine(model_dir, max_running_requests=2, max_context_len=64).start()
-    srv = ServerThread(engine, settings=ServerSettings(request_timeout_s=30, shutdown_timeout_s=5))
+    key = run_secret(SHARED.model_copy(update={"run_dir": tmp_path, "auth": "on"}))
+    srv = ServerThread(
+        engine, settings=ServerSettings(request_timeout_s=30, shutdown_timeout_s=5, api_key=key)
+    )
     await asyncio.to_thread(srv.start)
     yield srv.url
     await asyncio.to_thread(srv.stop)
@@ -143,12 +148,14 @@ async def test_page_shows_the_runs_values_and_updates_live(
     client = connect(redis_url, BROKER)
     # the device plan up writes into the run directory: the page's header shows it
     write_plan(resolve_plan(["0", "1", "2", "3"], "disaggregated", 2, 2, 1), tmp_path)
-    shared = SHARED.model_copy(update={"run_dir": tmp_path})
+    # With the run secret on: the page opens once with ?token=, which leaves a cookie the page's calls carry, and
+    # the dashboard's probes of the engine carry the key (the engine row reads reachable).
+    shared = SHARED.model_copy(update={"run_dir": tmp_path, "auth": "on"})
     running = await start_dashboard(client, shared, DASH, BROKER, port=0)
     try:
         expect = await write_run(client, engine_url)
         last = expect["last"]
-        await asyncio.to_thread(browser.get, running.url)
+        await asyncio.to_thread(browser.get, f"{running.url}/?token={run_secret(shared)}")
 
         def complete(s: dict[str, Any]) -> bool:
             engines = {row[0]: row for row in s["engines"]}

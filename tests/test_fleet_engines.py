@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from broker.client import connect
 from broker.config import BrokerConfig
 from broker.registry import EngineRegistry
+from common.auth import run_secret
 from common.config import SharedConfig
 from rollout_fleet import fleet as fleet_module
 from rollout_fleet.config import EngineConfig
@@ -147,6 +148,12 @@ def test_sglang_command_line_and_the_missing_extra(tmp_path: Path, monkeypatch: 
     # SGLang 0.5.23's launch_server has no --weight-version: it starts at "default", which reads as version 0
     assert "--weight-version" not in cmd
     assert cmd[-2:] == ["--log-level", "warning"]
+    assert "--api-key" not in cmd  # a loopback run: no run secret
+    # With the run secret: SGLang's --api-key (its HTTP server then wants it as a bearer token), and the flags a
+    # user adds still come last.
+    secured = shared.model_copy(update={"auth": "on", "run_dir": tmp_path / "run"})
+    cmd = engine_command(secured, engine, 30007)
+    assert cmd[-4:] == ["--api-key", run_secret(secured), "--log-level", "warning"]
     assert fleet_module.engine_ranks(engine) == 2
     monkeypatch.setattr(fleet_module, "sglang_available", lambda: False)
     with pytest.raises(FleetError, match=r"pip install 'streamrl\[sglang\]'"):
@@ -161,6 +168,7 @@ def test_builtin_command_passes_the_engine_section_through(tmp_path: Path) -> No
     assert cmd[1:4] == ["-m", "streamrl", "engine"]
     assert "--engine.port=31000" in cmd and "--engine.max_running_requests=5" in cmd
     assert f'--shared.model_path="{tmp_path / "m"}"' in cmd and '--engine.kind="builtin"' in cmd
+    assert "--shared.auth=auto" in cmd  # the child resolves it as the fleet's config did
 
 
 async def test_engines_of_a_fleet_never_share_a_sampling_seed(redis_url: str, tmp_path: Path) -> None:

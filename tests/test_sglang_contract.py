@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.auth import run_secret
 from common.config import SharedConfig
 from rollout_fleet import fleet as fleet_mod
 from rollout_fleet.config import EngineConfig
@@ -73,9 +74,9 @@ LORA_ARGS = ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "
              "--max-loras-per-batch", "2", "--max-loaded-loras", "4"]  # fmt: skip
 
 
-def engine_cases(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+def engine_cases(monkeypatch: pytest.MonkeyPatch, run_dir: Path) -> list[dict]:
     """engine_command for a spread of [engine] options (sglang need not be importable here: the command is
-    what is checked), each with the ServerArgs values it means."""
+    what is checked), each with the ServerArgs values it means; one with the run secret (``run_dir``'s)."""
     monkeypatch.setattr(fleet_mod, "sglang_available", lambda: True)
     variants = [
         (EngineConfig(kind="sglang"), 0, 30000, {}),
@@ -108,6 +109,12 @@ def engine_cases(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
             **extra,
         }
         cases.append({"argv": argv[3:], "expect": expect})
+    # With the run secret (shared.auth on): SGLang's --api-key, which its HTTP server checks as a bearer token.
+    secured = SHARED.model_copy(update={"auth": "on", "run_dir": run_dir})
+    argv = fleet_mod.engine_command(secured, EngineConfig(kind="sglang", host="0.0.0.0"), 30004)
+    cases.append(
+        {"argv": argv[3:], "expect": {"host": "0.0.0.0", "port": 30004, "api_key": run_secret(secured)}}
+    )
     # The device plan's own SGLang flags (an engine of 2 GPUs sees only its own: base GPU 0).
     plan = resolve_plan(["0", "1", "2", "3"], "disaggregated", 2, 1, 2)
     cases.append(
@@ -220,7 +227,7 @@ def checked(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     mp = pytest.MonkeyPatch()
     try:
-        servers = engine_cases(mp)
+        servers = engine_cases(mp, tmp_path_factory.mktemp("secured"))
     finally:
         mp.undo()
     requests = request_cases()
@@ -375,12 +382,14 @@ def _router_args(argv: list[str]) -> object:
 def test_the_router_command_parses_with_sglang_routers_own_parser(policy: str) -> None:
     urls = ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
     argv = router_command(urls, 31000, host="127.0.0.2", policy=policy, health_check_interval_s=3,
-                          request_timeout_s=90.5, prometheus_port=29123, extra_args=["--max-payload-size", "1024"])  # fmt: skip
+                          request_timeout_s=90.5, prometheus_port=29123, extra_args=["--max-payload-size", "1024"],
+                          api_key="run-secret")  # fmt: skip
     args = _router_args(argv)
     meant = {
         "worker_urls": urls, "host": "127.0.0.2", "port": 31000, "policy": policy,
         "health_check_endpoint": "/model_info", "health_check_interval_secs": 3, "request_timeout_secs": 90,
         "log_level": "warn", "prometheus_host": "127.0.0.2", "prometheus_port": 29123, "max_payload_size": 1024,
+        "api_key": "run-secret",  # sent to the engines, which require the run secret
     }  # fmt: skip
     assert {k: getattr(args, k) for k in meant} == meant
     args._validate_router_args()  # type: ignore[attr-defined]

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import numpy as np
 import pytest
 
 from broker.registry import engine_id_for
+from common.auth import run_secret
 from common.config import SharedConfig
 from rollout_fleet.config import EngineConfig
 from rollout_fleet.fleet import engine_command
@@ -327,9 +329,10 @@ def test_up_starts_the_router_as_a_role_after_the_engines(fleet, model_dir: Path
     from streamrl.up import child_specs, resolve, write_config
 
     engines, _ = fleet
-    cfg = StreamRLConfig.model_validate(
-        {"shared": {"model_path": str(model_dir), "run_dir": str(tmp_path)}, "rollout": {"router": "sglang"}}
-    )
+    # With the run secret on: the router gets --api-key (sent to the engines, which ignore it here), and
+    # requires it of its own clients, up's readiness check included.
+    shared = {"model_path": str(model_dir), "run_dir": str(tmp_path), "auth": "on"}
+    cfg = StreamRLConfig.model_validate({"shared": shared, "rollout": {"router": "sglang"}})
     cfg = resolve(cfg)
     port = cfg.rollout.sglang_router_port
     assert port > 0 and cfg.rollout.sglang_router_url == f"http://127.0.0.1:{port}"
@@ -348,7 +351,12 @@ def test_up_starts_the_router_as_a_role_after_the_engines(fleet, model_dir: Path
         while not spec.ready():
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.25)
-        assert sorted(healthy_workers(cfg.rollout.sglang_router_url)) == sorted(e.url for e in engines)
+        key = run_secret(cfg.shared)
+        assert sorted(healthy_workers(cfg.rollout.sglang_router_url, api_key=key)) == sorted(
+            e.url for e in engines
+        )
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            healthy_workers(cfg.rollout.sglang_router_url)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)

@@ -22,6 +22,8 @@ import pytest
 from benchmarks.crash_cost import learner_step
 from benchmarks.learning_gain import RUN_ARGS, STEPS
 from broker.server import ephemeral_port_range
+from common.auth import auth_headers
+from common.versioning import answer_version
 from learner import checkpoint
 from streamrl.config import METRICS_PORT_OFFSETS
 from tests.procs import check_run_environments
@@ -304,15 +306,32 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
     )  # the groups pending at the stop archived once, on resume
 
 
+def answered(url: str, key: str | None = None, wait_s: float = 60.0) -> tuple[int, object]:
+    """(status, JSON body) of GET ``url`` with the run secret ``key``, waiting while nothing listens yet."""
+    request = urllib.request.Request(url, headers=auth_headers(key))
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"null")
+        except urllib.error.URLError as exc:
+            if not isinstance(exc.reason, ConnectionRefusedError) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def test_sigterm_stops_every_role_cleanly(tmp_path: Path, warm_model: Path) -> None:
     """Also the device plan on a node of 4 GPUs (named: this machine has none, so every role still computes on
     the CPU): each Python process of every role, the learner's ranks included, really sees the
     GPUs the plan gives its role (read from /proc), and the plan is printed, written and in the manifest."""
     run_dir = tmp_path / "run"
-    # 20 held-out problems, not 200: the evaluation before training is not what this test is of
+    # 20 held-out problems, not 200: the evaluation before training is not what this test is of. With the run
+    # secret on (common.auth): every role's calls carry it, or the learner never reaches step 2.
     proc = up(
         run_dir, warm_model, metrics_base_port(), "--learner.wandb_mode=disabled", "--eval.heldout_prompts=20",
-        "--shared.devices=0,1,2,3",
+        "--shared.devices=0,1,2,3", "--shared.auth=on",
     )  # fmt: skip
     deadline = time.monotonic() + 600
     while learner_step(run_dir) < 2:
@@ -320,6 +339,16 @@ def test_sigterm_stops_every_role_cleanly(tmp_path: Path, warm_model: Path) -> N
         assert time.monotonic() < deadline
         time.sleep(0.5)
     seen = check_run_environments(run_dir, learner_ranks=2)
+    # Every server requires the secret, and the learner's weight sync carried it (the engines serve a trained
+    # version); the rollouts and the evaluation before training did, or step 2 would never come.
+    run_cfg = tomllib.loads((run_dir / "config.toml").read_text())
+    key = (run_dir / "run_secret").read_text().strip()
+    engine_url = run_cfg["rollout"]["engine_urls"][0] + "/model_info"
+    dashboard_url = f"http://127.0.0.1:{run_cfg['dashboard']['port']}/api/summary"
+    assert [answered(u) for u in (engine_url, dashboard_url)] == [(401, {"error": "Unauthorized"})] * 2
+    status, info = answered(engine_url, key)
+    assert status == 200 and answer_version(info) >= 1, info
+    assert answered(dashboard_url, key)[0] == 200
     assert {"redis", "engine-0", "engine-1", "learner", "rollout-0", "eval", "dashboard"} <= set(seen)
     assert seen["learner"] == {"0,1"} and seen["engine-0"] == {"2"} and seen["engine-1"] == {"3"}
     proc.send_signal(signal.SIGTERM)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -31,8 +31,9 @@ def wait_reply(future: Future[Reply], timeout_s: float) -> Reply:
 class EngineHttp:
     """A pool of HTTP connections to engines, driven by one background asyncio loop."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, headers: Mapping[str, str] | None = None) -> None:
         self.timeout_s = timeout_s
+        self.headers = dict(headers or {})  # sent with every call (the run secret's, common.auth)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="weight-sync-http", daemon=True)
         self._thread.start()
@@ -46,7 +47,7 @@ class EngineHttp:
             # SGLang, closes them after 5 s): reusing one the server has closed fails the request, and a failed
             # pause at the start of a sync would quarantine a healthy engine.
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
-            self._session = aiohttp.ClientSession(connector=connector)
+            self._session = aiohttp.ClientSession(connector=connector, headers=self.headers)
         return self._session
 
     async def _request(self, method: str, url: str, body: Any, timeout_s: float) -> Reply:

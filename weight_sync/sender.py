@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from common.auth import auth_headers
 from common.versioning import encode_label
 from weight_sync import protocol, tensor_transport
 from weight_sync.buckets import Bucket, BucketBuilder, flatten_into, unflatten
@@ -431,6 +432,7 @@ class WeightSender:
         self,
         engines: Iterable[str | EngineSpec | tuple[str, int]],
         config: WeightSyncConfig | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.config = config or WeightSyncConfig()
         self.engines: list[EngineSpec] = [as_engine(e) for e in engines]
@@ -439,7 +441,7 @@ class WeightSender:
             raise ValueError(f"engines: duplicate URLs in {urls}")
         self.backend = default_backend() if self.config.backend == "auto" else self.config.backend
         self.address = self.config.master_address or host_address()
-        self.http = EngineHttp(self.config.timeout_s)
+        self.http = EngineHttp(self.config.timeout_s, auth_headers(api_key))  # the run secret, if any
         self.group: UpdateGroup | None = None
         self.members: list[EngineSpec] = []
         self.quarantined: dict[str, str] = {}

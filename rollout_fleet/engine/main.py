@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
+from common.auth import AuthError, check_bind, run_secret
 from common.config import SharedConfig
 from common.configlib import ConfigError
 from common.cpus import pin_to_cpus
@@ -61,7 +62,7 @@ def engine_seed(configured: int | None) -> int:
     return seed
 
 
-def server_settings(engine: EngineConfig) -> ServerSettings:
+def server_settings(engine: EngineConfig, api_key: str | None = None) -> ServerSettings:
     return ServerSettings(
         request_timeout_s=engine.request_timeout_s,
         control_timeout_s=engine.control_timeout_s,
@@ -69,6 +70,7 @@ def server_settings(engine: EngineConfig) -> ServerSettings:
         health_generation=engine.health_generation,
         shutdown_timeout_s=engine.shutdown_timeout_s,
         server_args=engine.model_dump(mode="json"),
+        api_key=api_key,
     )
 
 
@@ -91,6 +93,12 @@ def exec_sglang(shared: SharedConfig, engine: EngineConfig) -> int:
 
 def run_engine(shared: SharedConfig, engine: EngineConfig, extensions: Iterable[Extension] = ()) -> int:
     """Serve on engine.host : (engine.port or engine.base_port) until SIGTERM / SIGINT; returns the exit code."""
+    try:
+        api_key = run_secret(shared)  # required of every client when set (SGLang's --api-key)
+        check_bind("engine.host", engine.host, api_key)
+    except (AuthError, OSError) as exc:
+        log.error("cannot start the engine: %s", exc)
+        return 2
     if engine.kind == "sglang":
         return exec_sglang(shared, engine)
     torch.set_num_threads(shared.torch_threads)
@@ -110,7 +118,8 @@ def run_engine(shared: SharedConfig, engine: EngineConfig, extensions: Iterable[
         from rollout_fleet.engine.weights import weight_sync_extension
 
         all_extensions = [weight_sync_extension(engine.control_timeout_s), *extensions]
-        await serve(served, engine.host, port, stop, server_settings(engine), extensions=all_extensions)
+        settings = server_settings(engine, api_key)
+        await serve(served, engine.host, port, stop, settings, extensions=all_extensions)
 
     try:
         asyncio.run(main())

@@ -33,6 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
+from common.auth import require_secret
 from common.prometheus import metrics_route
 from common.versioning import LabelError, decode_label
 from rollout_fleet.engine import openai_api, protocol
@@ -72,6 +73,9 @@ class ServerSettings:
     health_generation: bool = True
     shutdown_timeout_s: float = 10.0
     server_args: dict[str, Any] = field(default_factory=dict)
+    # The run secret (common.auth): every endpoint but the probes and /metrics answers 401 without it, as
+    # SGLang's --api-key does. None: open (loopback-only runs).
+    api_key: str | None = field(default=None, repr=False)
 
 
 class ValidationFailure(Exception):
@@ -178,7 +182,10 @@ class EngineServer:
         )
 
     def make_app(self, extensions: Iterable[Extension] = ()) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
+        key = self.settings.api_key
+        app = web.Application(
+            client_max_size=256 * 1024 * 1024, middlewares=[require_secret(key)] if key else []
+        )
         app[SERVER_KEY] = self
         add = app.router.add_route
         for method in ("POST", "PUT"):
