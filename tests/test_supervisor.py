@@ -86,8 +86,13 @@ def test_deaths_outside_the_window_do_not_spend_the_budget(tmp_path: Path) -> No
     code = f"import pathlib,sys,time; time.sleep(0.3); p=pathlib.Path({str(counter)!r}); p.write_text(p.read_text()+'x' if p.exists() else 'x'); sys.exit(1)"
     sup = Supervisor(tmp_path / "logs", grace_s=5, poll_s=0.02, restart_window_s=0.2, restart_delay_s=0.01)
     sup.start(ChildSpec("slow-flaky", _py(code), restart="on-failure", max_restarts=1))
-    stop_after = ChildSpec("timer", _py("import time; time.sleep(2.5)"), finishes_run=True)
-    sup.start(stop_after)
+    # the run ends once the flaky child has died 4 times (not after a fixed time: on a loaded machine each of
+    # its starts takes longer, which only spaces the deaths further apart)
+    wait = (
+        f"import pathlib,time; p=pathlib.Path({str(counter)!r}); deadline=time.time()+120\n"
+        "while time.time() < deadline and not (p.exists() and len(p.read_text()) >= 4): time.sleep(0.05)"
+    )
+    sup.start(ChildSpec("timer", _py(wait), finishes_run=True))
     assert sup.watch() == 0 and sup.failure is None
     assert len(counter.read_text()) >= 4  # restarted again and again, never more than once per window
 
