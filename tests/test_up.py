@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import redis
 
 from benchmarks.crash_cost import learner_step
 from benchmarks.learning_gain import RUN_ARGS, STEPS
@@ -133,6 +134,23 @@ def assert_archive_complete(run_dir: Path, audit: dict, group_size: int = 8) -> 
     )
     trained = sum(r["outcome"] == "trained" for r in rows)
     assert trained == audit["trained"] * group_size, (trained, audit)
+
+
+def live_evaluations(run_dir: Path) -> int:
+    """How many evaluations of a trained policy (version > 0) the run's eval stream holds (0 without Redis)."""
+    from broker.metrics import metrics_key
+    from common.config import SharedConfig
+
+    url_file = run_dir / "redis" / "url"
+    if not url_file.is_file():
+        return 0
+    try:
+        rows = redis.Redis.from_url(url_file.read_text().strip(), socket_timeout=2).xrange(
+            metrics_key(SharedConfig(), "eval")
+        )
+    except redis.RedisError:
+        return 0
+    return sum(float(fields.get(b"policy_version", 0)) > 0 for _, fields in rows)
 
 
 def trained_group_ids(run_dir: Path) -> list[str]:
@@ -290,10 +308,10 @@ def test_sigterm_stops_every_role_cleanly(tmp_path: Path, warm_model: Path) -> N
     # 20 held-out problems, not 200: the evaluation before training is not what this test is of
     proc = up(
         run_dir, warm_model, metrics_base_port(), "--learner.wandb_mode=disabled", "--eval.heldout_prompts=20",
-        "--shared.devices=0,1,2,3",
+        "--shared.devices=0,1,2,3", "--eval.every_versions=1",
     )  # fmt: skip
     deadline = time.monotonic() + 600
-    while learner_step(run_dir) < 2:
+    while learner_step(run_dir) < 2 or live_evaluations(run_dir) < 1:  # a live evaluation for the summary
         assert proc.poll() is None, proc.stdout.read()
         assert time.monotonic() < deadline
         time.sleep(0.5)
@@ -310,3 +328,12 @@ def test_sigterm_stops_every_role_cleanly(tmp_path: Path, warm_model: Path) -> N
         assert f"stopping {role}" in out
     assert "killing" not in out  # every role drained within its grace period
     assert (run_dir / "checkpoints" / "LATEST").is_file()  # the learner checkpointed on the way out
+    # no final evaluation on a stop: the summary shows the last (live) one with its version, and says it is not
+    # the final policy's (unless the live evaluator happened to score the final version)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    last, final = summary["eval_last_version"], summary["final_policy_version"]
+    assert summary["eval_greedy_accuracy_after"] is None and last >= 1 and final >= 2, summary
+    if summary["eval_last_is_final_policy"]:
+        assert last == final and f"(v{last:.0f}, last evaluation: the final policy)" in out
+    else:
+        assert f"(v{last:.0f}, last evaluation; the final policy is v{final}, not evaluated)" in out
