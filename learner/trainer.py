@@ -36,7 +36,16 @@ from common.config import SharedConfig
 from common.lifecycle import crash_point
 from common.versioning import Lineage
 from learner.attention import register_packed_attention, resolve_attention_kernel
-from learner.checkpoint import CheckpointManager, CheckpointMeta, LedgerEntry, PendingCheckpoint, export_hf
+from learner.checkpoint import (
+    CheckpointManager,
+    CheckpointMeta,
+    LedgerEntry,
+    PendingCheckpoint,
+    export_hf,
+    prune_oldest,
+    replace_export,
+    step_dirs,
+)
 from learner.config import LearnerConfig
 from learner.distributed import DistInfo, compute_dtype
 from learner.intake import (
@@ -573,17 +582,28 @@ class Learner:
                 "time": time.time(),
                 "samples_trained": self.intake.sample_totals.get("trained", 0) if self.info.is_main else None,
             }
-            (written / "snapshot.json").write_text(json.dumps(info))
+            (written / "snapshot.json").write_text(json.dumps(info))  # last: the snapshot is complete
+            pruned = prune_oldest(step_dirs(out.parent, "snapshot.json"), self.config.keep_snapshots, written)
+            if pruned:
+                log.info("pruned snapshots %s (learner.keep_snapshots = %d)", [p.name for p in pruned],
+                         self.config.keep_snapshots)  # fmt: skip
 
     def _export(self) -> None:
         """RUN_DIR/export/latest: a Hugging Face directory of the current policy (a gather of the whole model to
-        rank 0 and a write of it), with the step and version it is of. Nothing in the run reads it."""
-        out = Path(self.shared.run_dir) / "export" / "latest"
-        written = export_hf(self.model, Path(self.shared.model_path), out)
+        rank 0 and a write of it), with the step and version it is of; the previous ones kept beside it as
+        step-N up to ``learner.keep_exports`` in all. Nothing in the run reads it."""
+        latest = Path(self.shared.run_dir) / "export" / "latest"
+        written = export_hf(self.model, Path(self.shared.model_path), latest.with_name("latest.new"))
         if written is not None:
-            info = {"step": self.step, "policy_version": self.version, "time": time.time()}
+            info = {
+                "step": self.step,
+                "policy_version": self.version,
+                "time": time.time(),
+                "source": "learner",
+            }
             (written / "export.json").write_text(json.dumps(info))
-            log.info("exported step %d (version %d) to %s", self.step, self.version, written)
+            replace_export(written, latest, self.config.keep_exports)
+            log.info("exported step %d (version %d) to %s", self.step, self.version, latest)
 
     def _checkpoint(self, final: bool = False) -> None:
         """A checkpoint of this step: started in the background (learner.async_checkpoint; committed and
