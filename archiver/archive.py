@@ -51,6 +51,7 @@ from broker.version import PolicyVersion
 from common.config import SharedConfig
 from common.discovery import RedisNotFound, resolve_redis_url
 from common.versioning import Lineage
+from common.wandb_run import open_run
 
 log = logging.getLogger("streamrl.archive")
 
@@ -497,17 +498,17 @@ async def _serve(shared: SharedConfig, broker: BrokerConfig, config: ArchiveConf
 
 
 def upload_artifact(directory: Path, shared: SharedConfig, wandb_mode: str) -> None:
-    """Log the archive's parts as one wandb dataset artifact of the run (offline mode keeps it locally)."""
+    """Log the archive's parts as one dataset artifact of the run's wandb run (common.wandb_run; offline mode
+    keeps it locally)."""
     parts = part_paths(directory)
     if not parts:
         return
-    try:
-        import wandb
-    except ImportError:
-        log.warning("wandb is not installed; the archive stays in %s only", directory)
+    run = open_run(shared.run_dir, shared.run_id, wandb_mode)  # the run's one wandb run, resumed
+    if run is None:
+        log.warning("wandb is off or not installed; the archive stays in %s only", directory)
         return
-    run = wandb.init(project="streamrl", name=f"{shared.run_id}-archive", dir=str(shared.run_dir),
-                     mode=wandb_mode, job_type="archive")  # fmt: skip
+    import wandb
+
     artifact = wandb.Artifact(f"{shared.run_id}-trajectories", type="dataset")
     for part in parts:
         artifact.add_file(str(part), name=part.name)

@@ -292,7 +292,11 @@ class LearnerConfig(Section):
     grace_s: float = Field(
         30.0, gt=0, description="SIGTERM grace: finish the step, checkpoint, exit within it."
     )
-    wandb_mode: str = Field("offline", description="wandb mode: offline (default), online or disabled.")
+    wandb_mode: str = Field(
+        "offline",
+        description="The run's wandb run (logged by the dashboard, the archive's artifact added): offline, online "
+        "or disabled.",
+    )
     seed: int = Field(0, description="Seed of the learner's RNGs.")
     cpu_affinity: list[int] = Field(
         default_factory=list,

@@ -240,7 +240,6 @@ class Learner:
         self._last_checkpoint_time = time.monotonic()
         self._checkpointed_step = self.step
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._wandb: Any = None
         self._announced: int | None = None  # the last version announced in Redis by this process
         self._unannounced = False  # the last sync did not reach the pool: sync again while idle
         self._last_resync_check = 0.0
@@ -427,7 +426,6 @@ class Learner:
     def run(self) -> int:
         if self.info.is_main:
             self._start_redis_side()
-            self._init_wandb()
         self._resume()
         while True:
             payload = self._next_payload()
@@ -445,8 +443,6 @@ class Learner:
         if self.config.export_at_end:
             self._export()
         self.publisher.close()
-        if self.info.is_main and self._wandb is not None:
-            self._wandb.finish()
         return 0
 
     def _next_payload(self) -> StepPayload:
@@ -562,9 +558,7 @@ class Learner:
             **{f"samples/{k}": float(v) for k, v in self.intake.sample_totals.items()},
         )
         self._last_publish_metrics = {}
-        self._call(self.metrics.write(metrics))
-        if self._wandb is not None:
-            self._wandb.log(metrics, step=self.step)
+        self._call(self.metrics.write(metrics))  # the dashboard logs it to wandb (streamrl.wandb_log)
         log.info(
             "step %d version %d reward %.3f loss %.4f staleness %.2f wait %.1fs",
             self.step, self.version, metrics["reward_mean"], metrics["loss"], metrics.get("staleness/mean", 0.0),
@@ -660,20 +654,4 @@ class Learner:
         self._acknowledge(path, pending.meta.ledger)
         log.info(
             "checkpoint %s written in the background in %.1f s", path.name, time.monotonic() - pending.started
-        )
-
-    def _init_wandb(self) -> None:
-        if self.config.wandb_mode == "disabled":
-            return
-        try:
-            import wandb
-        except ImportError:
-            log.warning("wandb is not installed; metrics go to Redis only")
-            return
-        self._wandb = wandb.init(
-            project="streamrl",
-            name=self.shared.run_id,
-            dir=str(self.shared.run_dir),
-            mode=self.config.wandb_mode,
-            config={"learner": self.config.model_dump(mode="json"), "eta": self.shared.eta},
         )

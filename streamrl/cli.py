@@ -146,7 +146,13 @@ def _run_archive(config: StreamRLConfig) -> int:
 def _run_dashboard(config: StreamRLConfig) -> int:
     from streamrl.dashboard import run_dashboard
 
-    return run_dashboard(config.shared, config.dashboard, config.broker)
+    return run_dashboard(
+        config.shared,
+        config.dashboard,
+        config.broker,
+        config.learner.wandb_mode,
+        config.model_dump(mode="json"),
+    )
 
 
 def _run_router(config: StreamRLConfig) -> int:
@@ -226,7 +232,12 @@ COMMANDS: dict[str, Command] = {
         ("shared", "engine", "rollout"),
         _run_router,
     ),
-    "dashboard": Command("serve the live dashboard", ("shared", "dashboard", "broker"), _run_dashboard),
+    "dashboard": Command(
+        "serve the live dashboard, and log the run to its wandb run",
+        ("shared", "dashboard", "broker"),
+        _run_dashboard,
+        ("learner.wandb_mode",),
+    ),
     "up": Command(
         "start every role under one supervisor: on this node, or on a Ray cluster (up.launcher)",
         RUN_SECTIONS,

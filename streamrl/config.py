@@ -50,6 +50,11 @@ class DashboardConfig(Section):
     redis_wait_s: float = Field(
         60.0, ge=0, description="How long to wait for the embedded Redis to write its URL at start, seconds."
     )
+    wandb_interval_s: float = Field(
+        10.0,
+        gt=0,
+        description="How often the dashboard logs what is new in the run to its wandb run (learner.wandb_mode).",
+    )
     metrics_host: str = Field(
         "127.0.0.1", description="Address of the Prometheus endpoints of roles without an HTTP server."
     )

@@ -23,10 +23,12 @@ import redis
 from benchmarks.crash_cost import learner_step
 from benchmarks.learning_gain import RUN_ARGS, STEPS
 from broker.server import ephemeral_port_range
+from common.wandb_run import run_id_of
 from learner import checkpoint
 from streamrl.config import METRICS_PORT_OFFSETS
 from tests.procs import check_run_environments
 from tests.prom import scrape
+from tests.wandb_records import config, history, run_record
 
 pytestmark = pytest.mark.timeout(1200)
 # The held-out greedy gain this run must reach between two fixed versions: the warm start (version 0) and the
@@ -300,14 +302,19 @@ def test_up_learns_then_resumes_without_training_twice(tmp_path: Path, warm_mode
     )  # the groups pending at the stop archived once, on resume
 
 
-def test_sigterm_stops_every_role_cleanly(tmp_path: Path, warm_model: Path) -> None:
+def test_sigterm_stops_every_role_cleanly(
+    tmp_path: Path, warm_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Also the device plan on a node of 4 GPUs (named: this machine has none, so every role still computes on
     the CPU): each Python process of every role, the learner's ranks included, really sees the
-    GPUs the plan gives its role (read from /proc), and the plan is printed, written and in the manifest."""
+    GPUs the plan gives its role (read from /proc), and the plan is printed, written and in the manifest. And the
+    run's one wandb run (offline): the dashboard logged the evaluations with their versions and the steps."""
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "home" / var))  # `up` inherits it: wandb writes under tmp_path
     run_dir = tmp_path / "run"
     # 20 held-out problems, not 200: the evaluation before training is not what this test is of
     proc = up(
-        run_dir, warm_model, metrics_base_port(), "--learner.wandb_mode=disabled", "--eval.heldout_prompts=20",
+        run_dir, warm_model, metrics_base_port(), "--learner.wandb_mode=offline", "--eval.heldout_prompts=20",
         "--shared.devices=0,1,2,3", "--eval.every_versions=1",
     )  # fmt: skip
     deadline = time.monotonic() + 600
@@ -333,7 +340,21 @@ def test_sigterm_stops_every_role_cleanly(tmp_path: Path, warm_model: Path) -> N
     summary = json.loads((run_dir / "summary.json").read_text())
     last, final = summary["eval_last_version"], summary["final_policy_version"]
     assert summary["eval_greedy_accuracy_after"] is None and last >= 1 and final >= 2, summary
+    top = summary["eval_last_version_max"]  # engines updated during the evaluation: its answers span versions
+    span = f"v{last:.0f}" if top == last else f"v{last:.0f}-{top:.0f}"
     if summary["eval_last_is_final_policy"]:
-        assert last == final and f"(v{last:.0f}, last evaluation: the final policy)" in out
+        assert last == top == final and f"({span}, last evaluation: the final policy)" in out
     else:
-        assert f"(v{last:.0f}, last evaluation; the final policy is v{final}, not evaluated)" in out
+        assert f"({span}, last evaluation; the final policy is v{final}, not evaluated)" in out
+    # one wandb run (the dashboard's, resumed by the archiver for its artifact) holding every evaluation with its
+    # version, the baseline's and the last one's included, beside the learner's steps and the device plan
+    logs = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert logs and {run_record(p).run_id for p in logs} == {run_id_of(run_dir)}
+    rows = [row for p in logs for row in history(p)]
+    evals = {r["eval/policy_version"]: r["eval/greedy_accuracy"] for r in rows if "eval/policy_version" in r}
+    assert (
+        evals[0] == summary["eval_greedy_accuracy_before"]
+        and evals[last] == summary["eval_last_greedy_accuracy"]
+    )
+    assert max(r["learner/step"] for r in rows if "learner/step" in r) == summary["steps"]  # the last one too
+    assert any(config(p).get("devices", {}).get("engines") == [["2"], ["3"]] for p in logs)
