@@ -1,11 +1,10 @@
 """The run's one wandb run: its id, derived from the run directory, and how a process opens it.
 
-One streamrl run is one wandb run, resumed by every process that opens it (``resume="allow"``): the dashboard,
-which logs the whole run (streamrl.wandb_log), across its restarts and ``up --resume``; and the archiver, which
-adds the archive's artifact when it stops (after the dashboard, in ``up``'s stop order). W&B's shared mode, the
-only way for two processes to write one run at the same time, needs the W&B server (no offline mode), so the
-writers take turns instead. Offline, each opening is a directory ``RUN_DIR/wandb/offline-run-*-<id>`` of the
-same id; ``wandb sync`` of them all uploads one run.
+One streamrl run is one wandb run, written by one process, the dashboard (streamrl.wandb_log), and resumed
+(``resume="allow"``) by it across its restarts and ``up --resume``. W&B's shared mode, the only way for two
+processes to write one run at the same time, needs the W&B server (no offline mode). Offline, each opening is a
+directory ``RUN_DIR/wandb/offline-run-*-<id>`` of the same id: ``wandb sync --id <id>`` of them uploads them
+into that run in order of their start.
 """
 
 from __future__ import annotations

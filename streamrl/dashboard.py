@@ -589,14 +589,17 @@ async def wandb_forever(
 
 
 async def start_wandb(
-    state: DashboardState, mode: str, config: Mapping[str, Any], stop: asyncio.Event
+    state: DashboardState,
+    mode: str,
+    config: Mapping[str, Any],
+    archive: Path | None,
+    stop: asyncio.Event,
 ) -> asyncio.Task | None:
     """Open the run's wandb run (common.wandb_run) and start :func:`wandb_forever`; None when wandb is off or
     cannot be opened (said in the log: the dashboard serves on without it)."""
-    run_dir = Path(state.shared.run_dir)
     try:
         logger = await asyncio.to_thread(
-            open_logger, run_dir, state.shared.run_id, mode, config, state.device_plan()
+            open_logger, state.shared, mode, config, state.device_plan(), archive
         )
     except Exception:  # noqa: BLE001 - e.g. online mode without credentials
         log.exception("cannot open the run's wandb run; nothing is logged to wandb")
@@ -613,9 +616,11 @@ def run_dashboard(
     broker: BrokerConfig,
     wandb_mode: str = "disabled",
     config: Mapping[str, Any] | None = None,
+    archive: Path | None = None,
 ) -> int:
     """Serve until SIGTERM / SIGINT, logging the run to wandb in ``wandb_mode`` with ``config`` (the whole
-    config tree) as the run's config; returns the exit code (2: no Redis, 1: cannot bind)."""
+    config tree) as the run's config and, when it stops, the ``archive`` directory's parts as an artifact;
+    returns the exit code (2: no Redis, 1: cannot bind)."""
     try:
         url = resolve_redis_url(shared, wait_s=dashboard.redis_wait_s)
     except RedisNotFound as exc:
@@ -629,7 +634,7 @@ def run_dashboard(
             loop.add_signal_handler(sig, stop.set)
         running = await start_dashboard(url, shared, dashboard, broker)
         log.info("dashboard of run %r at %s (read-only)", shared.run_id, running.url)
-        wandb = await start_wandb(running.state, wandb_mode, config or {}, stop)
+        wandb = await start_wandb(running.state, wandb_mode, config or {}, archive, stop)
         try:
             await stop.wait()
         finally:

@@ -441,9 +441,10 @@ def _supervise(config: StreamRLConfig, started: float, launcher: RayLauncher | N
     finally:
         # Every role but Redis first: each writes its last metrics point as it stops (a short run can end
         # before a rollout worker's first periodic point), and the archiver its last part. The learner and the
-        # roles after it first, then the dashboard, so the run's wandb run gets their last points (it is the
-        # writer: streamrl.wandb_log), then the archiver, which adds its artifact to that run once it is closed.
+        # roles after it first, then the archiver (after the learner: its outcomes are final) and the engines,
+        # the dashboard last: the run's wandb run (streamrl.wandb_log) gets every last point and the archive.
         sup.stop_all(keep=("dashboard", *(s.name for stage in before for s in stage)))
+        sup.stop_all(keep=("dashboard", "redis"))
         sup.stop_all(keep=("redis",))
         totals = status.final_totals()
         status.close()  # Redis waits for its clients to leave before it stops

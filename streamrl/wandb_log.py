@@ -12,7 +12,9 @@ last points included). It logs:
   with the broker sample (backlog, lag, pending) and each engine's probe (running and waiting requests,
   throughput, token usage, weight version), each against its own ``<prefix>/ts`` (unix seconds): a bounded
   number of points over weeks;
-- the config tree and the device plan (RUN_DIR/devices.json) as the run's config.
+- the config tree and the device plan (RUN_DIR/devices.json) as the run's config;
+- when it stops, the trajectory archive's parts as an artifact (``archive.wandb_artifact``; ``up`` stops the
+  archiver just before the dashboard, so its last part is there).
 
 Where it got to in each stream is kept in RUN_DIR/wandb/streamrl_cursor.json, so a restarted dashboard or
 ``up --resume`` logs each learner and eval point once.
@@ -27,6 +29,10 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from archiver.archive import log_artifact
+from common.config import SharedConfig
+from common.wandb_run import open_run
 
 CURSOR_FILE = "streamrl_cursor.json"
 ALL_POINTS = {"learner": "step", "eval": "policy_version"}  # roles logged point by point, and their x-axis
@@ -50,9 +56,11 @@ def safe_name(text: str) -> str:
 class RunLogger:
     """Logs points to an open wandb run (synchronous: the dashboard calls it in a worker thread)."""
 
-    def __init__(self, run: Any, run_dir: Path) -> None:
+    def __init__(self, run: Any, shared: SharedConfig, archive: Path | None = None) -> None:
         self.run = run
-        self.cursor_path = Path(run_dir) / "wandb" / CURSOR_FILE
+        self.shared = shared
+        self.archive = archive  # the archive directory whose parts finish() adds as an artifact; None: none
+        self.cursor_path = Path(shared.run_dir) / "wandb" / CURSOR_FILE
         try:
             self.cursor: dict[str, str] = json.loads(self.cursor_path.read_text())
         except (OSError, ValueError):
@@ -94,18 +102,25 @@ class RunLogger:
         os.replace(tmp, self.cursor_path)
 
     def finish(self) -> None:
-        self.run.finish()
+        """The archive's artifact (when there is an archive), then the run closed."""
+        try:
+            if self.archive is not None:
+                log_artifact(self.run, self.archive, self.shared)
+        finally:
+            self.run.finish()
 
 
 def open_logger(
-    run_dir: Path, run_name: str, mode: str, config: Mapping[str, Any], devices: Any
+    shared: SharedConfig,
+    mode: str,
+    config: Mapping[str, Any],
+    devices: Any,
+    archive: Path | None = None,
 ) -> RunLogger | None:
     """The run's wandb run opened for the dashboard, with the config tree and the device plan as its config;
     None when wandb is off (``mode`` disabled) or not installed."""
-    from common.wandb_run import open_run
-
-    run = open_run(run_dir, run_name, mode, job_type="run")
+    run = open_run(Path(shared.run_dir), shared.run_id, mode, job_type="run")
     if run is None:
         return None
     run.config.update({"streamrl": dict(config), "devices": devices}, allow_val_change=True)
-    return RunLogger(run, run_dir)
+    return RunLogger(run, shared, archive)

@@ -346,10 +346,11 @@ def test_sigterm_stops_every_role_cleanly(
         assert last == top == final and f"({span}, last evaluation: the final policy)" in out
     else:
         assert f"({span}, last evaluation; the final policy is v{final}, not evaluated)" in out
-    # one wandb run (the dashboard's, resumed by the archiver for its artifact) holding every evaluation with its
-    # version, the baseline's and the last one's included, beside the learner's steps and the device plan
+    # one wandb run, opened once (by the dashboard), holding every evaluation with its version, the baseline's and
+    # the last one's included, beside the learner's steps (the last one too: the dashboard stops after the
+    # learner) and the device plan
     logs = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert logs and {run_record(p).run_id for p in logs} == {run_id_of(run_dir)}
+    assert len(logs) == 1 and run_record(logs[0]).run_id == run_id_of(run_dir), logs
     rows = [row for p in logs for row in history(p)]
     evals = {r["eval/policy_version"]: r["eval/greedy_accuracy"] for r in rows if "eval/policy_version" in r}
     assert (

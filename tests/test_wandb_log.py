@@ -32,12 +32,13 @@ async def write(url: str, shared: SharedConfig, role: str, points: list[dict[str
     await client.aclose()
 
 
-def wait_for_rows(path: Path, done: callable, timeout_s: float = 30.0) -> list[dict]:
-    """The log's rows once ``done(rows)``: wandb's service process writes the last records after finish()."""
+def wait_for_rows(path: Path, timeout_s: float = 30.0) -> list[dict]:
+    """The log's rows once its last record, the archive's artifact (logged at finish, after every row), is in:
+    wandb's service process writes the last records after finish() returns."""
     deadline = time.monotonic() + timeout_s
-    while not done(rows := history(path)) and time.monotonic() < deadline:
+    while b"part-000000.parquet" not in path.read_bytes() and time.monotonic() < deadline:
         time.sleep(0.2)
-    return rows
+    return history(path)
 
 
 def test_the_dashboard_logs_the_run_with_its_evaluations_to_one_wandb_run(
@@ -49,11 +50,14 @@ def test_the_dashboard_logs_the_run_with_its_evaluations_to_one_wandb_run(
     run_dir = tmp_path / "run"
     shared = SharedConfig(run_id="wb", redis_url=redis_url, run_dir=run_dir)
     devices = {"mode": "disaggregated", "learner": ["0", "1"], "engines": [["2"], ["3"]]}
+    archive = run_dir / "archive"  # a part the archiver wrote: the run's artifact when the dashboard stops
+    archive.mkdir(parents=True)
+    (archive / "part-000000.parquet").write_bytes(b"PAR1 rows PAR1")
 
     async def dashboard(final_evals: list[tuple[int, float]]) -> None:
         client = aioredis.Redis.from_url(redis_url)
         state = DashboardState(client, shared, DashboardConfig(), BrokerConfig())
-        logger = await asyncio.to_thread(open_logger, run_dir, "wb", "offline", {"eta": 1}, devices)
+        logger = await asyncio.to_thread(open_logger, shared, "offline", {"eta": 1}, devices, archive)
         await log_to_wandb(state, logger)
         # up's final evaluation is written just before the dashboard is stopped: the last poll logs it
         await write(
@@ -74,7 +78,7 @@ def test_the_dashboard_logs_the_run_with_its_evaluations_to_one_wandb_run(
 
     asyncio.run(first_run())
     (log,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
-    rows = wait_for_rows(log, lambda rows: any(r.get("eval/policy_version") == 5 for r in rows))
+    rows = wait_for_rows(log)
     evals = [
         (r["eval/policy_version"], r["eval/greedy_accuracy"]) for r in rows if "eval/policy_version" in r
     ]
@@ -87,12 +91,15 @@ def test_the_dashboard_logs_the_run_with_its_evaluations_to_one_wandb_run(
     run = run_record(log)
     assert run.run_id == run_id_of(run_dir) and run.project == "streamrl"
     assert config(log)["devices"] == devices and config(log)["streamrl"] == {"eta": 1}  # the device plan
+    assert (
+        b"wb-trajectories" in log.read_bytes() and b"part-000000.parquet" in log.read_bytes()
+    )  # the archive
 
     # a restarted dashboard (or `up --resume`) opens the same run and logs only what is new
     asyncio.run(dashboard([(7, 0.71)]))
     logs = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     (resumed,) = [p for p in logs if p != log]
-    rows = wait_for_rows(resumed, lambda rows: any(r.get("eval/policy_version") == 7 for r in rows))
+    rows = wait_for_rows(resumed)
     assert len(logs) == 2 and {run_record(p).run_id for p in logs} == {run_id_of(run_dir)}
     assert [r["eval/policy_version"] for r in rows if "eval/policy_version" in r] == [7]
     assert not any("learner/step" in r for r in rows)
