@@ -471,7 +471,7 @@ async def archive_rounds(archiver: Archiver, stop: asyncio.Event, poll_s: float)
                 await asyncio.wait_for(stop.wait(), pause)
 
 
-async def _serve(shared: SharedConfig, broker: BrokerConfig, config: ArchiveConfig, wandb_mode: str) -> int:
+async def _serve(shared: SharedConfig, broker: BrokerConfig, config: ArchiveConfig) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -491,32 +491,28 @@ async def _serve(shared: SharedConfig, broker: BrokerConfig, config: ArchiveConf
         return 1
     finally:
         await client.aclose()
-    if config.wandb_artifact and wandb_mode != "disabled":
-        upload_artifact(archiver.directory, shared, wandb_mode)
-    return 0
+    return 0  # the parts go to the run's wandb run as an artifact from the dashboard (streamrl.wandb_log)
 
 
-def upload_artifact(directory: Path, shared: SharedConfig, wandb_mode: str) -> None:
-    """Log the archive's parts as one wandb dataset artifact of the run (offline mode keeps it locally)."""
+def log_artifact(run: Any, directory: Path, shared: SharedConfig) -> bool:
+    """Add the archive's parts to an open wandb ``run`` as one dataset artifact, ``<run_id>-trajectories``
+    (offline mode keeps it locally); False when there are none."""
     parts = part_paths(directory)
     if not parts:
-        return
+        return False
     try:
         import wandb
-    except ImportError:
-        log.warning("wandb is not installed; the archive stays in %s only", directory)
-        return
-    run = wandb.init(project="streamrl", name=f"{shared.run_id}-archive", dir=str(shared.run_dir),
-                     mode=wandb_mode, job_type="archive")  # fmt: skip
+    except ImportError:  # not when there is a run to log to; guarded all the same (benchmarks/gpu_bundle.py)
+        return False
     artifact = wandb.Artifact(f"{shared.run_id}-trajectories", type="dataset")
     for part in parts:
         artifact.add_file(str(part), name=part.name)
     run.log_artifact(artifact)
-    run.finish()
-    log.info("archive logged to wandb (%s) as artifact %s-trajectories", wandb_mode, shared.run_id)
+    log.info("archive logged to wandb as artifact %s-trajectories (%d parts)", shared.run_id, len(parts))
+    return True
 
 
-def run_archive(shared: SharedConfig, broker: BrokerConfig, config: ArchiveConfig, wandb_mode: str) -> int:
+def run_archive(shared: SharedConfig, broker: BrokerConfig, config: ArchiveConfig) -> int:
     """Run the archiver until SIGTERM / SIGINT (then archive what is decided and snapshot the pending);
     the exit code (1 when the archive directory cannot be written)."""
     import uvloop
@@ -525,7 +521,7 @@ def run_archive(shared: SharedConfig, broker: BrokerConfig, config: ArchiveConfi
         os.nice(config.nice)  # a background role: the learner and the engines come first for the CPU
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(_serve(shared, broker, config, wandb_mode))
+            return runner.run(_serve(shared, broker, config))
     except RedisNotFound as exc:
         log.error("archiver cannot run: %s", exc)
         return 1

@@ -47,7 +47,8 @@ class ArchiveConfig(Section):
     )
     wandb_artifact: bool = Field(
         True,
-        description="Upload the archive as a wandb artifact when the run ends (when learner.wandb_mode is on).",
+        description="Add the archive to the run's wandb run as an artifact when the dashboard stops "
+        "(learner.wandb_mode on).",
     )
 
     def directory(self, shared: SharedConfig) -> Path:

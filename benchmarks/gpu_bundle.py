@@ -80,8 +80,8 @@ NEVER_CARRY = re.compile(r"(torch|triton|nvidia-.+|cuda-.+)")
 # Runtime dependencies left out on purpose, each with the reason.
 EXCLUDED: dict[str, str] = {
     "wandb": (
-        "optional at run time: imported lazily inside try/except ImportError (learner/trainer.py _init_wandb, "
-        "archiver/archive.py upload_artifact); without it the learner logs a warning and its metrics go to Redis "
+        "optional at run time: imported lazily inside try/except ImportError (common/wandb_run.py open_run, "
+        "which the dashboard calls); without it the dashboard logs a warning and the metrics stay in Redis "
         "only. Run the check's `up` with --learner.wandb_mode=disabled. Its wheel alone is 20.3 MB (0.31.0, "
         "manylinux_2_28) and it pulls opentelemetry-*, cwevals, platformdirs and protobuf<8"
     ),

@@ -361,6 +361,56 @@ def write_hf_dir(state: dict[str, torch.Tensor], tied: bool, source_dir: Path, o
     return out_dir
 
 
+STEP_DIR = re.compile(r"step-(\d+)")  # a snapshot's or an export's directory name: step-NNNNNN
+
+
+def step_dirs(root: Path, marker: str, source: str | None = None) -> list[Path]:
+    """The complete ``step-N`` directories under ``root`` (their ``marker`` file written last, so a directory
+    being written is not one), oldest step first; with ``source``, only those whose marker says they were
+    written by it (the learner's exports, not the ones ``streamrl export`` made on request)."""
+    found = []
+    for path in Path(root).glob("step-*"):
+        match = STEP_DIR.fullmatch(path.name)
+        if match is None or not (path / marker).is_file():
+            continue
+        if source is None or json.loads((path / marker).read_text()).get("source") == source:
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def prune_oldest(paths: list[Path], keep: int, protect: Path | None = None) -> list[Path]:
+    """Delete the oldest of ``paths`` (oldest first) so that ``keep`` are left, never ``protect`` (the one just
+    written: after a learner's resume it can be of an older step than some left from before); returns them."""
+    others = [p for p in paths if p != protect]
+    keep_others = keep - 1 if protect in paths else keep
+    doomed = others[: max(len(others) - keep_others, 0)]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def _export_step(export: Path) -> int | None:
+    """The step an export directory is of (its export.json), None when it does not say."""
+    info = export / "export.json"
+    step = json.loads(info.read_text()).get("step") if info.is_file() else None
+    return step if isinstance(step, int) else None
+
+
+def replace_export(new: Path, latest: Path, keep: int) -> None:
+    """Make the complete export ``new`` (its export.json written) the ``latest`` one. With ``keep`` above 1 the
+    previous latest stays beside it as ``step-N`` (N its step) and the learner's oldest such exports beyond
+    ``keep - 1`` are deleted; with 1 (the default) the previous one is replaced, as before there was a choice."""
+    if latest.is_dir():
+        step = _export_step(latest)
+        aside = latest.with_name(f"step-{step:06d}") if step is not None else None
+        if keep > 1 and aside is not None and not aside.exists() and step != _export_step(new):
+            latest.rename(aside)
+        else:
+            shutil.rmtree(latest)
+    new.rename(latest)
+    prune_oldest(step_dirs(latest.parent, "export.json", source="learner"), keep - 1)
+
+
 def checkpoint_of_step(root: Path, step: int | None) -> Path:
     """The committed checkpoint of ``step`` (the newest one of that step), or the newest of all for None;
     a ValueError names the steps there are."""

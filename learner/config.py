@@ -220,6 +220,11 @@ class LearnerConfig(Section):
         ge=0,
         description="Export a Hugging Face snapshot every k steps to RUN_DIR/snapshots/step-N (learning curves); 0: off.",
     )
+    keep_snapshots: int = Field(
+        10,
+        ge=1,
+        description="Snapshots kept in RUN_DIR/snapshots; the oldest are deleted after each new one.",
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up over this many steps.")
     lr_schedule: LrSchedule = Field(
@@ -262,6 +267,12 @@ class LearnerConfig(Section):
     export_at_end: bool = Field(
         True, description="Write RUN_DIR/export/latest when the learner stops (max_steps reached or a stop)."
     )
+    keep_exports: int = Field(
+        1,
+        ge=1,
+        description="The learner's exports kept: latest, and the previous ones as RUN_DIR/export/step-N "
+        "(oldest deleted first); 1: latest only. Those of `streamrl export` are never deleted.",
+    )
     reference_offload: bool = Field(
         False,
         description="Keep the KL reference's FSDP2 shards in host memory, copied to the device for each forward "
@@ -296,7 +307,11 @@ class LearnerConfig(Section):
     grace_s: float = Field(
         30.0, gt=0, description="SIGTERM grace: finish the step, checkpoint, exit within it."
     )
-    wandb_mode: str = Field("offline", description="wandb mode: offline (default), online or disabled.")
+    wandb_mode: str = Field(
+        "offline",
+        description="The run's wandb run (logged by the dashboard, the archive's artifact added): offline, online "
+        "or disabled.",
+    )
     seed: int = Field(0, description="Seed of the learner's RNGs.")
     cpu_affinity: list[int] = Field(
         default_factory=list,

@@ -36,7 +36,16 @@ from common.config import SharedConfig
 from common.lifecycle import crash_point
 from common.versioning import Lineage
 from learner.attention import register_packed_attention, resolve_attention_kernel
-from learner.checkpoint import CheckpointManager, CheckpointMeta, LedgerEntry, PendingCheckpoint, export_hf
+from learner.checkpoint import (
+    CheckpointManager,
+    CheckpointMeta,
+    LedgerEntry,
+    PendingCheckpoint,
+    export_hf,
+    prune_oldest,
+    replace_export,
+    step_dirs,
+)
 from learner.config import LearnerConfig
 from learner.distributed import DistInfo, compute_dtype
 from learner.intake import (
@@ -232,7 +241,6 @@ class Learner:
         self._last_checkpoint_time = time.monotonic()
         self._checkpointed_step = self.step
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._wandb: Any = None
         self._announced: int | None = None  # the last version announced in Redis by this process
         self._unannounced = False  # the last sync did not reach the pool: sync again while idle
         self._last_resync_check = 0.0
@@ -419,7 +427,6 @@ class Learner:
     def run(self) -> int:
         if self.info.is_main:
             self._start_redis_side()
-            self._init_wandb()
         self._resume()
         while True:
             payload = self._next_payload()
@@ -437,8 +444,6 @@ class Learner:
         if self.config.export_at_end:
             self._export()
         self.publisher.close()
-        if self.info.is_main and self._wandb is not None:
-            self._wandb.finish()
         return 0
 
     def _next_payload(self) -> StepPayload:
@@ -554,9 +559,7 @@ class Learner:
             **{f"samples/{k}": float(v) for k, v in self.intake.sample_totals.items()},
         )
         self._last_publish_metrics = {}
-        self._call(self.metrics.write(metrics))
-        if self._wandb is not None:
-            self._wandb.log(metrics, step=self.step)
+        self._call(self.metrics.write(metrics))  # the dashboard logs it to wandb (streamrl.wandb_log)
         log.info(
             "step %d version %d reward %.3f loss %.4f staleness %.2f wait %.1fs",
             self.step, self.version, metrics["reward_mean"], metrics["loss"], metrics.get("staleness/mean", 0.0),
@@ -574,17 +577,28 @@ class Learner:
                 "time": time.time(),
                 "samples_trained": self.intake.sample_totals.get("trained", 0) if self.info.is_main else None,
             }
-            (written / "snapshot.json").write_text(json.dumps(info))
+            (written / "snapshot.json").write_text(json.dumps(info))  # last: the snapshot is complete
+            pruned = prune_oldest(step_dirs(out.parent, "snapshot.json"), self.config.keep_snapshots, written)
+            if pruned:
+                log.info("pruned snapshots %s (learner.keep_snapshots = %d)", [p.name for p in pruned],
+                         self.config.keep_snapshots)  # fmt: skip
 
     def _export(self) -> None:
         """RUN_DIR/export/latest: a Hugging Face directory of the current policy (a gather of the whole model to
-        rank 0 and a write of it), with the step and version it is of. Nothing in the run reads it."""
-        out = Path(self.shared.run_dir) / "export" / "latest"
-        written = export_hf(self.model, Path(self.shared.model_path), out)
+        rank 0 and a write of it), with the step and version it is of; the previous ones kept beside it as
+        step-N up to ``learner.keep_exports`` in all. Nothing in the run reads it."""
+        latest = Path(self.shared.run_dir) / "export" / "latest"
+        written = export_hf(self.model, Path(self.shared.model_path), latest.with_name("latest.new"))
         if written is not None:
-            info = {"step": self.step, "policy_version": self.version, "time": time.time()}
+            info = {
+                "step": self.step,
+                "policy_version": self.version,
+                "time": time.time(),
+                "source": "learner",
+            }
             (written / "export.json").write_text(json.dumps(info))
-            log.info("exported step %d (version %d) to %s", self.step, self.version, written)
+            replace_export(written, latest, self.config.keep_exports)
+            log.info("exported step %d (version %d) to %s", self.step, self.version, latest)
 
     def _checkpoint(self, final: bool = False) -> None:
         """A checkpoint of this step: started in the background (learner.async_checkpoint; committed and
@@ -641,20 +655,4 @@ class Learner:
         self._acknowledge(path, pending.meta.ledger)
         log.info(
             "checkpoint %s written in the background in %.1f s", path.name, time.monotonic() - pending.started
-        )
-
-    def _init_wandb(self) -> None:
-        if self.config.wandb_mode == "disabled":
-            return
-        try:
-            import wandb
-        except ImportError:
-            log.warning("wandb is not installed; metrics go to Redis only")
-            return
-        self._wandb = wandb.init(
-            project="streamrl",
-            name=self.shared.run_id,
-            dir=str(self.shared.run_dir),
-            mode=self.config.wandb_mode,
-            config={"learner": self.config.model_dump(mode="json"), "eta": self.shared.eta},
         )

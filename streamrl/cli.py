@@ -140,13 +140,21 @@ def _run_eval(config: StreamRLConfig) -> int:
 def _run_archive(config: StreamRLConfig) -> int:
     from archiver.archive import run_archive
 
-    return run_archive(config.shared, config.broker, config.archive, config.learner.wandb_mode)
+    return run_archive(config.shared, config.broker, config.archive)
 
 
 def _run_dashboard(config: StreamRLConfig) -> int:
     from streamrl.dashboard import run_dashboard
 
-    return run_dashboard(config.shared, config.dashboard, config.broker)
+    archive = config.archive.directory(config.shared) if config.archive.wandb_artifact else None
+    return run_dashboard(
+        config.shared,
+        config.dashboard,
+        config.broker,
+        config.learner.wandb_mode,
+        config.model_dump(mode="json"),
+        archive,
+    )
 
 
 def _run_router(config: StreamRLConfig) -> int:
@@ -220,14 +228,18 @@ COMMANDS: dict[str, Command] = {
         "archive every trajectory group with its outcome as Parquet in the run directory",
         ("shared", "broker", "archive"),
         _run_archive,
-        ("learner.wandb_mode",),
     ),
     "router": Command(
         "run an sglang-router in front of the engines (rollout.router = sglang)",
         ("shared", "engine", "rollout"),
         _run_router,
     ),
-    "dashboard": Command("serve the live dashboard", ("shared", "dashboard", "broker"), _run_dashboard),
+    "dashboard": Command(
+        "serve the live dashboard, and log the run to its wandb run",
+        ("shared", "dashboard", "broker"),
+        _run_dashboard,
+        ("learner.wandb_mode", "archive.wandb_artifact", "archive.dir"),
+    ),
     "up": Command(
         "start every role under one supervisor: on this node, or on a Ray cluster (up.launcher)",
         RUN_SECTIONS,

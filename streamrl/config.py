@@ -52,6 +52,11 @@ class DashboardConfig(Section):
     redis_wait_s: float = Field(
         60.0, ge=0, description="How long to wait for the embedded Redis to write its URL at start, seconds."
     )
+    wandb_interval_s: float = Field(
+        10.0,
+        gt=0,
+        description="How often the dashboard logs what is new in the run to its wandb run (learner.wandb_mode).",
+    )
     metrics_host: str = Field(
         "127.0.0.1", description="Address of the Prometheus endpoints of roles without an HTTP server."
     )
@@ -110,6 +115,12 @@ class UpConfig(Section):
         description="Wait before restarting a role that died; doubles with each death in the window (max 30 s).",
     )
     status_interval_s: float = Field(10.0, gt=0, description="Seconds between two live status lines.")
+    log_max_mb: float = Field(
+        50.0, gt=0, description="Rotate a role's log in RUN_DIR/logs once it passes this size, MiB."
+    )
+    log_keep: int = Field(
+        5, ge=0, description="Rotated files kept of each role's log (NAME.log.1 newest); 0: none."
+    )
     launcher: Literal["local", "ray"] = Field(
         "local",
         description="Where the roles run: 'local' (child processes of up) or 'ray' (Ray actors: [ray]).",

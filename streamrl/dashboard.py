@@ -73,6 +73,7 @@ from common.prometheus import MetricsServer, metrics_route, start_metrics_server
 from common.versioning import LabelError, decode_label
 from streamrl.config import DashboardConfig, StreamRLConfig
 from streamrl.devices import read_plan
+from streamrl.wandb_log import RunLogger, open_logger, safe_name
 
 log = logging.getLogger("streamrl.dashboard")
 
@@ -84,6 +85,8 @@ _STREAM_ID = re.compile(r"^\d+(-\d+)?$")
 STATE_KEY: web.AppKey[DashboardState] = web.AppKey("dashboard_state")
 DASHBOARD_OPEN_PATHS = frozenset({"/metrics"})  # Prometheus scrapes carry no secret (SGLang's rule too)
 TOKEN_PARAM = "token"
+WANDB_BATCH = 5000  # stream points read per role and wandb poll
+WANDB_FINISH_S = 30.0  # a stopping dashboard's last wandb poll and finish, at most (up.grace_s is 40 s)
 
 
 class BadRequest(ValueError):
@@ -582,8 +585,92 @@ async def start_dashboard(
     return RunningDashboard(f"http://{host}:{bound}", bound, state, runner, stop, sampler, owns)
 
 
-def run_dashboard(shared: SharedConfig, dashboard: DashboardConfig, broker: BrokerConfig) -> int:
-    """Serve until SIGTERM / SIGINT; returns the exit code (2: no Redis, 1: cannot bind)."""
+def engine_sample(view: EngineView) -> dict[str, float] | None:
+    """An engine's last probe as wandb numbers (None before one answered)."""
+    if not view.reachable or view.probed_at is None:
+        return None
+    loads = view.loads or {}
+    out = {k: loads.get(k) for k in ("num_running_reqs", "num_waiting_reqs", "gen_throughput", "token_usage")}
+    with contextlib.suppress(LabelError, TypeError, ValueError):
+        out["weight_version"] = decode_label(view.weight_version)
+    return {"ts": view.probed_at, **{k: v for k, v in out.items() if isinstance(v, (int, float))}}
+
+
+async def log_to_wandb(state: DashboardState, logger: RunLogger) -> None:
+    """Log what is new since the last call: the points of every role's stream after the logger's cursor, the
+    newest broker sample and each engine's last probe (streamrl.wandb_log says what goes where)."""
+    points = []
+    for role in await state.roles():
+        rows = await state.reader.read(role, start=logger.since(role), count=WANDB_BATCH)
+        points.append((role, rows))
+    broker = state.broker_history[-1][1] if state.broker_history else None
+    engines = [(f"engine/{safe_name(v.engine_id)}", engine_sample(v)) for v in state.engines.values()]
+
+    def write() -> None:
+        for role, rows in points:
+            logger.log_points(role, rows)
+        if broker is not None:
+            logger.log_sample("broker", broker)
+        for prefix, sample in engines:
+            if sample is not None:
+                logger.log_sample(prefix, sample)
+
+    await asyncio.to_thread(write)
+
+
+async def wandb_forever(
+    state: DashboardState, logger: RunLogger, interval_s: float, stop: asyncio.Event
+) -> None:
+    """Log to wandb every ``interval_s`` until ``stop``, then once more (up's final evaluation is written just
+    before the dashboard is stopped) and finish the run. A failure is logged, never raised: the page goes on."""
+    try:
+        while True:
+            stopping = stop.is_set()
+            try:
+                await log_to_wandb(state, logger)
+            except Exception:  # noqa: BLE001 - wandb or Redis trouble must not take the dashboard down
+                log.exception("logging to wandb failed; trying again in %.0f s", interval_s)
+            if stopping:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+    finally:
+        await asyncio.to_thread(logger.finish)
+
+
+async def start_wandb(
+    state: DashboardState,
+    mode: str,
+    config: Mapping[str, Any],
+    archive: Path | None,
+    stop: asyncio.Event,
+) -> asyncio.Task | None:
+    """Open the run's wandb run (common.wandb_run) and start :func:`wandb_forever`; None when wandb is off or
+    cannot be opened (said in the log: the dashboard serves on without it)."""
+    try:
+        logger = await asyncio.to_thread(
+            open_logger, state.shared, mode, config, state.device_plan(), archive
+        )
+    except Exception:  # noqa: BLE001 - e.g. online mode without credentials
+        log.exception("cannot open the run's wandb run; nothing is logged to wandb")
+        return None
+    if logger is None:
+        return None
+    interval = state.config.wandb_interval_s
+    return asyncio.create_task(wandb_forever(state, logger, interval, stop), name="dashboard-wandb")
+
+
+def run_dashboard(
+    shared: SharedConfig,
+    dashboard: DashboardConfig,
+    broker: BrokerConfig,
+    wandb_mode: str = "disabled",
+    config: Mapping[str, Any] | None = None,
+    archive: Path | None = None,
+) -> int:
+    """Serve until SIGTERM / SIGINT, logging the run to wandb in ``wandb_mode`` with ``config`` (the whole
+    config tree) as the run's config and, when it stops, the ``archive`` directory's parts as an artifact;
+    returns the exit code (2: no Redis, 1: cannot bind)."""
     try:
         url = resolve_redis_url(shared, wait_s=dashboard.redis_wait_s)
     except RedisNotFound as exc:
@@ -600,9 +687,13 @@ def run_dashboard(shared: SharedConfig, dashboard: DashboardConfig, broker: Brok
         if running.state.secret:  # the secret itself stays out of the log, which is not 0600
             log.info("open %s/?%s=SECRET once, SECRET being the contents of %s", running.url, TOKEN_PARAM,
                      secret_path(shared))  # fmt: skip
+        wandb = await start_wandb(running.state, wandb_mode, config or {}, archive, stop)
         try:
             await stop.wait()
         finally:
+            if wandb is not None:  # its last points first, while Redis is still there
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(wandb, WANDB_FINISH_S)
             await running.stop()
             log.info("dashboard stopped")
 

@@ -58,6 +58,7 @@ def main(args: list[str]) -> int:
     )
     export_checkpoint(checkpoint, Path(config.shared.model_path), out, config.learner.lora)
     info = {"step": meta["step"], "policy_version": meta["policy_version"], "checkpoint": checkpoint.name}
+    info["source"] = "checkpoint"  # not the learner's: its learner.keep_exports never deletes it
     (out / "export.json").write_text(json.dumps(info))
     print(f"streamrl export: wrote {out} in {time.monotonic() - started:.1f} s")
     return 0

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from archiver.archive import PENDING_FILE, part_paths, read_archive
-from streamrl.summary import GREEDY_AFTER, GREEDY_BEFORE, read_summary
+from streamrl.summary import GREEDY_AFTER, GREEDY_BEFORE, LAST_GREEDY, LAST_VERSION, read_summary
 
 OUTCOMES = ("trained", "dropped", "dead_lettered", "pending")
 # The columns the tables read; --export and the printed samples read every column of the selected rows.
@@ -164,7 +164,8 @@ def _summary_table(run_dir: Path, archive: Path, table: pa.Table, selected: int)
     summary_path = run_dir / "summary.json"
     if summary_path.is_file():
         s = read_summary(summary_path)  # a run directory from before the renames reads the same
-        for key in ("steps", "final_policy_version", GREEDY_BEFORE, GREEDY_AFTER, "wall_seconds"):
+        keys = ("steps", "final_policy_version", GREEDY_BEFORE, GREEDY_AFTER, LAST_GREEDY, LAST_VERSION)
+        for key in (*keys, "wall_seconds"):
             if s.get(key) is not None:
                 out.add_row(key, f"{s[key]:g}" if isinstance(s[key], float) else str(s[key]))
     parts = part_paths(archive)

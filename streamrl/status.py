@@ -16,6 +16,7 @@ from broker.outcomes import audit
 from common.discovery import RedisNotFound, resolve_redis_url
 from common.numbers import parse_number
 from streamrl.config import StreamRLConfig
+from streamrl.summary import LAST_GREEDY, LAST_SAMPLED, LAST_VERSION, LAST_VERSION_MAX
 
 
 def _numbers(fields: dict[bytes, bytes]) -> dict[str, float]:
@@ -129,6 +130,8 @@ class StatusReader:
             "archive": archive,
             "audit": self.audit(),
             **self.best_evaluation(),
+            **self.last_evaluation(),
+            "published_version": self.published_version(),
             "first_request_at": float(first) if first else None,
             "steps": int(learner.get("step", 0)),
             "policy_version": int(learner.get("policy_version", 0)),
@@ -175,6 +178,41 @@ class StatusReader:
             "eval_best_version": best["policy_version"],
             "eval_trained_count": len(points),
         }
+
+    def last_evaluation(self) -> dict[str, float | None]:
+        """The run's newest held-out evaluation (``summary.LAST_*``): its greedy and sampled accuracy and the
+        lowest and highest policy version its answers came from; Nones when there was none."""
+        none: dict[str, float | None] = dict.fromkeys(
+            (LAST_GREEDY, LAST_SAMPLED, LAST_VERSION, LAST_VERSION_MAX)
+        )
+        try:
+            rows = (
+                self.client.xrevrange(metrics_key(self.config.shared, "eval"), count=50)
+                if self.client
+                else []
+            )
+        except (redis.RedisError, OSError):
+            return none
+        points = [
+            p for p in (_numbers(f) for _, f in rows) if "greedy_accuracy" in p and "policy_version" in p
+        ]
+        if not points:
+            return none
+        last = points[0]
+        return {
+            LAST_GREEDY: last["greedy_accuracy"],
+            LAST_SAMPLED: last.get("sampled_accuracy"),
+            LAST_VERSION: last["policy_version"],
+            LAST_VERSION_MAX: last.get("policy_version_max", last["policy_version"]),
+        }
+
+    def published_version(self) -> int | None:
+        """The policy version the learner last announced (the final policy once it stopped); None when none."""
+        try:
+            raw = self.client.get(self.keys.version) if self.client else None
+        except (redis.RedisError, OSError):
+            return None
+        return None if raw is None else int(raw)
 
     def learner_aggregates(self) -> dict[str, float]:
         """Sums over every learner step of the run: time waiting for data (generation, when synchronous), time

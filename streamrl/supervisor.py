@@ -17,6 +17,8 @@ for its readiness check before the next starts, and the supervisor then watches 
   ``kill -9`` of the supervisor leaves nothing running; ``records_path`` keeps the children's pids and start
   times, so the next start of the same run can stop any that are still draining.
 - SIGTERM or SIGINT to the supervisor stops everything the same way.
+- With ``log_max_bytes`` set, every log in ``log_dir`` that passed it is rotated (streamrl.logs: at most
+  ``log_keep`` older files of that size beside it) while the supervisor watches, and once more after a stop.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from common.lifecycle import ProcessRecord, die_with_parent, write_records
+from streamrl.logs import rotate_logs
 
 log = logging.getLogger("streamrl.supervisor")
 
@@ -118,8 +121,12 @@ class Supervisor:
         records_path: Path | None = None,
         say: Callable[[str], None] | None = None,
         spawn: Spawner | None = None,
+        log_max_bytes: int | None = None,
+        log_keep: int = 5,
     ) -> None:
         self.log_dir = Path(log_dir)
+        self.log_max_bytes = log_max_bytes  # None: logs are never rotated
+        self.log_keep = log_keep
         self.grace_s = grace_s
         self.poll_s = poll_s
         self.restart_window_s = restart_window_s
@@ -233,6 +240,7 @@ class Supervisor:
             while not self.stop_requested.is_set():
                 if self._check_children():
                     break
+                self.rotate_logs()
                 if on_tick is not None:
                     on_tick()
                 self.stop_requested.wait(self.poll_s)
@@ -245,6 +253,12 @@ class Supervisor:
             log.error("%s", self.failure)
             return 1
         return 0
+
+    def rotate_logs(self) -> None:
+        """Rotate the logs that passed ``log_max_bytes`` (nothing when it is None)."""
+        if self.log_max_bytes is not None:
+            for path in rotate_logs(self.log_dir, self.log_max_bytes, self.log_keep):
+                log.info("rotated %s", path)
 
     def _check_children(self) -> bool:
         """True when the run is finished; raises ChildFailed when a child cannot be restarted."""
@@ -324,6 +338,7 @@ class Supervisor:
             deadline = time.monotonic() + self.grace_s
             for state in live:
                 self._wait_or_kill(state, deadline)
+        self.rotate_logs()  # what the roles wrote while they drained
 
     def _wait_or_kill(self, state: ChildState, deadline: float) -> None:
         try:

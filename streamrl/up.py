@@ -51,7 +51,16 @@ from rollout_fleet.fleet import engine_ranks
 from streamrl import devices, manifest
 from streamrl.config import StreamRLConfig
 from streamrl.status import StatusReader
-from streamrl.summary import GREEDY_AFTER, GREEDY_BEFORE, SAMPLED_AFTER, SAMPLED_BEFORE
+from streamrl.summary import (
+    GREEDY_AFTER,
+    GREEDY_BEFORE,
+    LAST_IS_FINAL,
+    LAST_VERSION,
+    LAST_VERSION_MAX,
+    SAMPLED_AFTER,
+    SAMPLED_BEFORE,
+    accuracy_line,
+)
 from streamrl.supervisor import ChildSpec, Supervisor
 
 if TYPE_CHECKING:
@@ -414,6 +423,8 @@ def _supervise(config: StreamRLConfig, started: float, launcher: RayLauncher | N
         records_path=run_dir / PROCESSES_FILE,
         say=lambda message: print(f"streamrl up: {message}", flush=True),
         spawn=None if launcher is None else launcher.spawn,
+        log_max_bytes=int(cfg.up.log_max_mb * 2**20),
+        log_keep=cfg.up.log_keep,
     )
     sup.install_signal_handlers()
     before, after = child_specs(cfg, run_dir / "config.toml", plan)
@@ -443,7 +454,11 @@ def _supervise(config: StreamRLConfig, started: float, launcher: RayLauncher | N
         code = 1
     finally:
         # Every role but Redis first: each writes its last metrics point as it stops (a short run can end
-        # before a rollout worker's first periodic point), and the archiver its last part.
+        # before a rollout worker's first periodic point), and the archiver its last part. The learner and the
+        # roles after it first, then the archiver (after the learner: its outcomes are final) and the engines,
+        # the dashboard last: the run's wandb run (streamrl.wandb_log) gets every last point and the archive.
+        sup.stop_all(keep=("dashboard", *(s.name for stage in before for s in stage)))
+        sup.stop_all(keep=("dashboard", "redis"))
         sup.stop_all(keep=("redis",))
         totals = status.final_totals()
         status.close()  # Redis waits for its clients to leave before it stops
@@ -467,10 +482,24 @@ def is_of_version(result: dict[str, float]) -> bool | None:
 def write_summary(
     cfg: StreamRLConfig, summary: dict[str, Any], started: float, totals: dict[str, Any]
 ) -> None:
+    out = summary_record(cfg, summary, started, totals)
+    path = cfg.shared.run_dir / "summary.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print("\n" + format_summary(out) + f"\n\nsummary: {path}", flush=True)
+
+
+def summary_record(
+    cfg: StreamRLConfig, summary: dict[str, Any], started: float, totals: dict[str, Any]
+) -> dict[str, Any]:
+    """summary.json's content: up's evaluations before and after (``summary``), the run's ``totals``
+    (StatusReader.final_totals), and the final policy's version: the one the final evaluation asked for, else
+    the version the learner last announced (a run stopped before its final evaluation)."""
     from rollout_fleet.evaluator import summary_fields as eval_summary_fields
 
     before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
-    out = {
+    final = after.get("version_asked") if after else totals.get("published_version")
+    last = (totals.get(LAST_VERSION), totals.get(LAST_VERSION_MAX))
+    return {
         GREEDY_BEFORE: before.get("greedy_accuracy"),
         GREEDY_AFTER: after.get("greedy_accuracy"),
         SAMPLED_BEFORE: before.get("sampled_accuracy"),
@@ -478,18 +507,17 @@ def write_summary(
         "eval_version_before": before.get("policy_version"),
         "eval_version_after": after.get("policy_version"),
         # the final policy's version, and whether eval_*_after measured it (false: a warning was printed)
-        "final_policy_version": after.get("version_asked"),
+        "final_policy_version": final,
         "eval_after_is_final_policy": is_of_version(after),
         **eval_summary_fields(cfg.rollout, cfg.eval, before, after),
         **totals,
+        # whether the last evaluation (eval_last_*) was of the final policy; None when there was none
+        LAST_IS_FINAL: None if last[0] is None else final is not None and last == (final, final),
         "wall_seconds": time.time() - started,
         "training_wall_seconds": summary.get("training_wall_seconds"),
         "training_started_at": summary.get("training_started_at"),
         "run_dir": str(cfg.shared.run_dir),
     }
-    path = cfg.shared.run_dir / "summary.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print("\n" + format_summary(out) + f"\n\nsummary: {path}", flush=True)
 
 
 def _audit_line(report: dict[str, Any] | None) -> str:
@@ -522,17 +550,11 @@ def _episode_lines(e: dict[str, Any] | None) -> list[str]:
 
 
 def format_summary(s: dict[str, Any]) -> str:
-    def pct(x: Any) -> str:
-        return "n/a" if x is None else f"{100 * x:.1f}%"
-
     dropped = s.get("samples_dropped_by_reason") or {}
-    after_note = ""
-    if s.get("eval_after_is_final_policy") is False:
-        after_note = f"   (NOT the final policy {s.get('final_policy_version')}: no engine served it)"
     lines = [
         "streamrl run summary",
-        f"  held-out accuracy (greedy): {pct(s[GREEDY_BEFORE])} -> {pct(s[GREEDY_AFTER])}" + after_note,
-        f"  held-out accuracy (sampled): {pct(s[SAMPLED_BEFORE])} -> {pct(s[SAMPLED_AFTER])}",
+        accuracy_line(s, "greedy"),
+        accuracy_line(s, "sampled"),
         _eval_detail_line(s),
         f"  steps: {s.get('steps')}   policy version: {s.get('policy_version')}",
         f"  samples trained: {s.get('samples_trained')}   dropped: {s.get('samples_dropped')} {dropped}",

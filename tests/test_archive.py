@@ -35,6 +35,7 @@ from broker.record import synthetic_group
 from broker.version import PolicyVersion
 from common.config import SharedConfig
 from common.versioning import ResumePoint
+from common.wandb_run import open_run
 
 SHARED = SharedConfig(run_id="arch")
 
@@ -294,7 +295,12 @@ def test_the_archive_is_logged_as_a_wandb_artifact(tmp_path: Path) -> None:
     parts = tmp_path / "archive"
     parts.mkdir()
     write_rows(parts / "part-000000.parquet", [rejected_row(Rejected("1-0", "g", "decode", "x"), "r", 0.0)])
-    archive.upload_artifact(parts, SharedConfig(run_id="wbtest", run_dir=tmp_path), "offline")
+    shared = SharedConfig(run_id="wbtest", run_dir=tmp_path)
+    run = open_run(tmp_path, shared.run_id, "offline")  # the run's one wandb run, as the dashboard opens it
+    assert archive.log_artifact(run, parts, shared) and not archive.log_artifact(
+        run, tmp_path / "none", shared
+    )
+    run.finish()
     (log,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")  # what `wandb sync` uploads
     deadline = time.monotonic() + 30  # wandb's service process writes the record after finish() returns
     while b"part-000000.parquet" not in log.read_bytes() and time.monotonic() < deadline:

@@ -77,6 +77,7 @@ def test_vs_trl_command_line_is_a_valid_streamrl_config(tmp_path: Path, eta: int
     assert (cfg.shared.eta, cfg.learner.max_steps, cfg.learner.groups_per_step) == (eta, 7, 4)
     assert (cfg.rollout.group_size, cfg.learner.lr, cfg.rollout.max_new_tokens) == (6, 3e-5, 50)
     assert (cfg.learner.snapshot_every, cfg.learner.loss.eps_high) == (3, 0.2)
+    assert cfg.learner.keep_snapshots >= 7 // 3  # every snapshot of the curve is kept (steps 3 and 6)
     # the deployment: one engine holding a whole step's samples, one learner rank, no live evaluator
     assert (cfg.engine.count, cfg.engine.max_running_requests, cfg.learner.world_size) == (1, 24, 1)
     assert (cfg.learner.micro_batch_tokens, cfg.eval.every_versions) == (2048, 0)

@@ -278,3 +278,34 @@ def test_a_role_process_exits_without_teardown_but_runs_its_atexit_handlers(
         assert files["written"].read_text() == "done"
     else:  # the quick exit: no module teardown
         assert files["teardown"].read_text() == ""
+
+
+# Writes lines 0..N-1 of 100 bytes, waits until its log (its own stdout) was truncated by a rotation, then writes
+# lines N..2N-1 and exits.
+ROTATED_WRITER = """
+import os, sys, time
+n = int(sys.argv[1])
+line = lambda i: f"line {i:06d} ".ljust(99, "x") + "\\n"
+sys.stdout.write("".join(line(i) for i in range(n))); sys.stdout.flush()
+while os.fstat(1).st_size >= 100 * n:
+    time.sleep(0.01)
+sys.stdout.write("".join(line(i) for i in range(n, 2 * n))); sys.stdout.flush()
+"""
+
+
+def test_a_role_log_is_rotated_by_size_and_keeps_its_newest_lines(tmp_path: Path) -> None:
+    """A role that writes 10x the limit: at most keep + 1 files of at most the limit are left, they hold the newest
+    lines in order with none lost, and the role's writes after the truncation start the live file afresh."""
+    limit, keep, n = 4000, 3, 200  # 100-byte lines: 2 x 20,000 bytes written, 4,000 kept per file
+    sup = Supervisor(tmp_path / "logs", poll_s=0.02, log_max_bytes=limit, log_keep=keep)
+    sup.start(ChildSpec("writer", [*_py(ROTATED_WRITER), str(n)], finishes_run=True))
+    assert sup.watch() == 0
+    log = tmp_path / "logs" / "writer.log"
+    files = sorted(log.parent.iterdir())
+    assert [p.name for p in files] == ["writer.log", "writer.log.1", "writer.log.2", "writer.log.3"]
+    assert all(p.stat().st_size <= limit for p in files), [p.stat().st_size for p in files]
+    text = "".join(p.read_text() for p in (*reversed(files[1:]), files[0]))  # oldest to newest
+    numbers = [int(line.split()[1]) for line in text.splitlines()]
+    assert numbers == list(range(2 * n - len(numbers), 2 * n)), numbers[:3]  # the newest, in order, none lost
+    assert len(numbers) >= 3 * limit // 100
+    assert "\0" not in log.read_text()  # written from offset 0 after the truncation, not past a hole

@@ -18,16 +18,19 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import redis
 
 from benchmarks.crash_cost import learner_step
 from benchmarks.learning_gain import RUN_ARGS, STEPS
 from broker.server import ephemeral_port_range
 from common.auth import auth_headers
 from common.versioning import answer_version
+from common.wandb_run import run_id_of
 from learner import checkpoint
 from streamrl.config import METRICS_PORT_OFFSETS
 from tests.procs import check_run_environments
 from tests.prom import scrape
+from tests.wandb_records import config, history, run_record
 
 pytestmark = pytest.mark.timeout(1200)
 # The held-out greedy gain this run must reach between two fixed versions: the warm start (version 0) and the
@@ -135,6 +138,23 @@ def assert_archive_complete(run_dir: Path, audit: dict, group_size: int = 8) -> 
     )
     trained = sum(r["outcome"] == "trained" for r in rows)
     assert trained == audit["trained"] * group_size, (trained, audit)
+
+
+def live_evaluations(run_dir: Path) -> int:
+    """How many evaluations of a trained policy (version > 0) the run's eval stream holds (0 without Redis)."""
+    from broker.metrics import metrics_key
+    from common.config import SharedConfig
+
+    url_file = run_dir / "redis" / "url"
+    if not url_file.is_file():
+        return 0
+    try:
+        rows = redis.Redis.from_url(url_file.read_text().strip(), socket_timeout=2).xrange(
+            metrics_key(SharedConfig(), "eval")
+        )
+    except redis.RedisError:
+        return 0
+    return sum(float(fields.get(b"policy_version", 0)) > 0 for _, fields in rows)
 
 
 def trained_group_ids(run_dir: Path) -> list[str]:
@@ -322,19 +342,24 @@ def answered(url: str, key: str | None = None, wait_s: float = 60.0) -> tuple[in
             time.sleep(0.5)
 
 
-def test_sigterm_stops_every_role_cleanly(tmp_path: Path, warm_model: Path) -> None:
+def test_sigterm_stops_every_role_cleanly(
+    tmp_path: Path, warm_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Also the device plan on a node of 4 GPUs (named: this machine has none, so every role still computes on
     the CPU): each Python process of every role, the learner's ranks included, really sees the
-    GPUs the plan gives its role (read from /proc), and the plan is printed, written and in the manifest."""
+    GPUs the plan gives its role (read from /proc), and the plan is printed, written and in the manifest. And the
+    run's one wandb run (offline): the dashboard logged the evaluations with their versions and the steps."""
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "home" / var))  # `up` inherits it: wandb writes under tmp_path
     run_dir = tmp_path / "run"
     # 20 held-out problems, not 200: the evaluation before training is not what this test is of. With the run
     # secret on (common.auth): every role's calls carry it, or the learner never reaches step 2.
     proc = up(
-        run_dir, warm_model, metrics_base_port(), "--learner.wandb_mode=disabled", "--eval.heldout_prompts=20",
-        "--shared.devices=0,1,2,3", "--shared.auth=on",
+        run_dir, warm_model, metrics_base_port(), "--learner.wandb_mode=offline", "--eval.heldout_prompts=20",
+        "--shared.devices=0,1,2,3", "--shared.auth=on", "--eval.every_versions=1",
     )  # fmt: skip
     deadline = time.monotonic() + 600
-    while learner_step(run_dir) < 2:
+    while learner_step(run_dir) < 2 or live_evaluations(run_dir) < 1:  # a live evaluation for the summary
         assert proc.poll() is None, proc.stdout.read()
         assert time.monotonic() < deadline
         time.sleep(0.5)
@@ -361,3 +386,27 @@ def test_sigterm_stops_every_role_cleanly(tmp_path: Path, warm_model: Path) -> N
         assert f"stopping {role}" in out
     assert "killing" not in out  # every role drained within its grace period
     assert (run_dir / "checkpoints" / "LATEST").is_file()  # the learner checkpointed on the way out
+    # no final evaluation on a stop: the summary shows the last (live) one with its version, and says it is not
+    # the final policy's (unless the live evaluator happened to score the final version)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    last, final = summary["eval_last_version"], summary["final_policy_version"]
+    assert summary["eval_greedy_accuracy_after"] is None and last >= 1 and final >= 2, summary
+    top = summary["eval_last_version_max"]  # engines updated during the evaluation: its answers span versions
+    span = f"v{last:.0f}" if top == last else f"v{last:.0f}-{top:.0f}"
+    if summary["eval_last_is_final_policy"]:
+        assert last == top == final and f"({span}, last evaluation: the final policy)" in out
+    else:
+        assert f"({span}, last evaluation; the final policy is v{final}, not evaluated)" in out
+    # one wandb run, opened once (by the dashboard), holding every evaluation with its version, the baseline's and
+    # the last one's included, beside the learner's steps (the last one too: the dashboard stops after the
+    # learner) and the device plan
+    logs = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(logs) == 1 and run_record(logs[0]).run_id == run_id_of(run_dir), logs
+    rows = [row for p in logs for row in history(p)]
+    evals = {r["eval/policy_version"]: r["eval/greedy_accuracy"] for r in rows if "eval/policy_version" in r}
+    assert (
+        evals[0] == summary["eval_greedy_accuracy_before"]
+        and evals[last] == summary["eval_last_greedy_accuracy"]
+    )
+    assert max(r["learner/step"] for r in rows if "learner/step" in r) == summary["steps"]  # the last one too
+    assert any(config(p).get("devices", {}).get("engines") == [["2"], ["3"]] for p in logs)

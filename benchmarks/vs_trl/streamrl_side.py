@@ -44,6 +44,7 @@ def up_command(recipe: GRPORecipe, eta: int, run_dir: Path, model_dir: Path) -> 
         f"--rollout.shuffle_seed={recipe.shuffle_seed}", f"--learner.seed={recipe.seed}",
         f"--learner.snapshot_every={recipe.eval_every}", "--learner.export_at_end=true",  # the final policy
         "--learner.loss.eps_high=0.2",
+        f"--learner.keep_snapshots={recipe.steps // recipe.eval_every + 1}",  # every point of the curve
         "--learner.loss.policy_loss=decoupled_ppo",  # what the committed side-by-side results ran (docs/vs_trl.md)
         "--learner.wandb_mode=disabled", "--dashboard.port=0", "--dashboard.metrics_base_port=0",
         "--up.status_interval_s=30", *deployment(recipe),
