@@ -59,6 +59,9 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory, redis_server) -> Path:  # 
         groups = sample_groups(str(model_dir), STEPS * GROUPS_PER_STEP, 4, version=0)
     finally:
         torch.set_num_threads(threads)
+    for g in groups:  # signal in every group: each step trains all 16 samples, over several micro-batches per
+        for s in g.samples:  # rank, so the groups' order changes the float sums (with 2 addends it would not)
+            s.reward = float((g.prompt_index + s.sample_index) % 3)
     produce(redis_server.url, groups)
     proc = start_learner(
         root, redis_server.url, model_dir, f"--learner.max_steps={STEPS}", "--learner.checkpoint_every=1",
