@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -18,10 +19,13 @@ import pytest
 import redis
 import torch
 
-from archiver.archive import Archiver, part_paths, read_archive
+from archiver.archive import Archiver, TokenText, part_paths, read_archive, sample_rows, write_rows
+from archiver.batches import NotReplayable, trained_steps
 from archiver.config import ArchiveConfig
 from broker.client import connect
 from broker.config import BrokerConfig
+from broker.outcomes import Outcome
+from broker.record import synthetic_group
 from common.config import SharedConfig
 from rollout_fleet.model import init_tiny_model
 from tests.synth import sample_groups
@@ -137,6 +141,40 @@ def test_a_tampered_sample_shows_as_a_difference(run_dir: Path, tmp_path: Path) 
     assert [c["step"] for c in report["comparisons"]] == [STEPS]
     assert not report["bit_identical"] and report["max_abs_diff"] > 0
     assert "NOT bit-identical" in done.stdout
+
+
+def test_the_archive_gives_back_each_steps_groups_in_batch_order_as_they_were(tmp_path: Path) -> None:
+    """archiver.batches over parts written by the archiver's own rows: the order is the positions', not the
+    files'; the samples come back equal to the stream's; a missing position is named."""
+    rng = np.random.default_rng(0)
+    groups = [synthetic_group(rng, "r", i, num_samples=2, num_tokens=3 + i, prompt_len=4) for i in range(5)]
+    placed = {0: (1, 1), 1: (1, 0), 2: (2, 0), 3: None, 4: (2, 1)}  # prompt -> (step, position); 3: dropped
+
+    def rows(indices: list[int]) -> list[dict]:
+        out = []
+        for i in indices:
+            step_position = placed[i]
+            outcome = (
+                Outcome("trained", step_position[0], learner_version=0, position=step_position[1], lr=0.5)
+                if step_position
+                else Outcome("dropped", 1, "stale")
+            )
+            out += sample_rows(groups[i], f"{i}-0", outcome, TokenText(None), 0.0)
+        return out
+
+    write_rows(tmp_path / "part-000000.parquet", rows([4, 0, 3]))
+    write_rows(tmp_path / "part-000001.parquet", rows([1, 2]))
+    steps = trained_steps(tmp_path)
+    assert [(s.step, [g.prompt_index for g in s.groups], s.lr) for s in steps] == [
+        (1, [1, 0], 0.5),
+        (2, [2, 4], 0.5),
+    ]
+    assert all(g.samples == groups[g.prompt_index].samples for s in steps for g in s.groups)
+    assert [s.step for s in trained_steps(tmp_path, until=1)] == [1]
+    placed[4] = (2, 2)  # position 1 of step 2 is not archived
+    write_rows(tmp_path / "part-000000.parquet", rows([4, 0, 3]))
+    with pytest.raises(NotReplayable, match=r"step 2: the archive lacks the groups at positions \[1\]"):
+        trained_steps(tmp_path)
 
 
 def test_an_archive_without_batch_positions_is_refused(run_dir: Path, tmp_path: Path) -> None:
