@@ -113,6 +113,13 @@ def summary(report: dict[str, Any]) -> str:
             lines.append(
                 f"the run's {what} was {run}, the replay's is {replay}: differences may come from that"
             )
+    recorded = report["run_replay_info"] or {}
+    for key, ours in (
+        ("learner_world_size", report["world_size"]),
+        ("torch_threads", report["torch_threads"]),
+    ):
+        if recorded.get(key) not in (None, ours):
+            lines.append(f"the run's manifest says {key} = {recorded[key]}, the replay ran with {ours}")
     for m in report["lr_mismatches"]:
         lines.append(f"step {m['step']}: lr {m['replayed']!r} replayed, {m['recorded']!r} in the run")
     verdict = "bit-identical to the run" if report["bit_identical"] else "NOT bit-identical to the run"
@@ -210,6 +217,7 @@ def _report(
         "comparisons": [asdict(c) for c in comparisons],
         "lr_mismatches": learner.lr_mismatches,
         "steps": learner.step_log,
+        "run_replay_info": manifest.get("replay"),  # the manifest's record of seed, world size, threads
         "code": {"replay": git_state(), "run": manifest.get("code")},
         "torch": {
             "replay": package_versions(["torch"])["torch"],
