@@ -73,6 +73,10 @@ class Comparison:
     tensors: dict[str, float] = field(default_factory=dict)  # name -> largest absolute difference
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
 def compare_states(step: int, checkpoint: Path, replayed: dict[str, torch.Tensor]) -> Comparison:
     """Tensor by tensor: equal bits, and the largest absolute difference (inf for a missing or reshaped one)."""
     recorded = model_state_from_checkpoint(checkpoint)
@@ -83,7 +87,7 @@ def compare_states(step: int, checkpoint: Path, replayed: dict[str, torch.Tensor
         if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
             diffs[name], identical = math.inf, False
             continue
-        same = torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))  # bits, NaN included
+        same = torch.equal(_bits(a), _bits(b))  # NaN included
         identical &= same
         diffs[name] = 0.0 if same else float((a.double() - b.double()).abs().max())
     largest = max(diffs.values(), default=0.0)
@@ -102,6 +106,7 @@ class ReplayLearner(Learner):
         self.step_log: list[dict[str, Any]] = []  # rank 0: per trained batch, the step's metrics
         self.lr_mismatches: list[dict[str, float]] = []  # rank 0: steps whose schedule gave another lr
         self.replayed: list[int] = []  # the steps replayed
+        self._step_lr = 0.0  # rank 0: the lr the batch being trained trains with
 
     def replay(
         self, steps: list[ArchivedStep] | str | None, checkpoints: dict[int, Path]
@@ -145,7 +150,7 @@ class ReplayLearner(Learner):
 
     def _batch_of(self, step: ArchivedStep, index: int) -> StepBatch:
         """Rank 0: the step's ``index``-th batch, as the intake handed it to the trainer."""
-        lr = float(self.scheduler.get_last_lr()[0])
+        lr = self._step_lr = float(self.scheduler.get_last_lr()[0])
         if index == 0 and step.lr != lr:  # the schedule comes from the config: a changed config shows here
             self.lr_mismatches.append({"step": step.step, "recorded": step.lr, "replayed": lr})
             log.warning("step %d: replayed lr %r, the run recorded %r", step.step, lr, step.lr)
@@ -156,8 +161,7 @@ class ReplayLearner(Learner):
 
     def _log_step(self, train_metrics: dict[str, float], applied: bool) -> None:
         """Rank 0: the step's metrics into the replay's log (the run's went to Redis)."""
-        lr = float(self.scheduler.get_last_lr()[0])
-        self.step_log.append({"step": self.step, "applied": applied, "lr": lr, **train_metrics})
+        self.step_log.append({"step": self.step, "applied": applied, "lr": self._step_lr, **train_metrics})
         log.info("replayed step %d loss %.6f grad norm %.6f", self.step, train_metrics["loss"],
                  train_metrics["grad_norm"])  # fmt: skip
 

@@ -109,6 +109,7 @@ def test_the_replay_equals_the_runs_checkpoints_bit_for_bit(run_dir: Path, tmp_p
         )
     }
     assert len(set(recorded.values())) == STEPS and report["lr_mismatches"] == []
+    assert [s["lr"] for s in report["steps"]] == [recorded[step] for step in range(1, STEPS + 1)]
     assert "bit-identical to the run" in done.stdout
 
 
