@@ -59,6 +59,8 @@ def _check(config: StreamRLConfig, run_dir: Path, options: argparse.Namespace) -
 
     if config.shared.model_path is None:
         raise ConfigError(f"{run_dir}: shared.model_path is not set in the run's config")
+    if not Path(config.shared.model_path).is_dir():  # the initial weights (and the architecture) come from it
+        raise ConfigError(f"shared.model_path = {str(config.shared.model_path)!r}: no model directory there")
     archive = config.archive.directory(config.shared)
     if not archive.is_dir():
         raise ConfigError(f"archive.dir = {str(archive)!r}: no archive there (was the archiver running?)")
