@@ -78,14 +78,15 @@ def _group(rows: list[dict[str, Any]]) -> TrajectoryGroup:
     )  # fmt: skip
 
 
-def check_replayable(directory: Path) -> None:
-    """Raise :class:`NotReplayable` unless the archive has trained groups, each with its position: a cheap
-    check (two columns) before anything is started."""
-    table = read_archive(directory, columns=["outcome", "outcome_position"])
+def check_replayable(directory: Path) -> int:
+    """The archive's last trained step; :class:`NotReplayable` unless it has trained groups, each with its
+    position. Cheap (three columns): a check before anything is started."""
+    table = read_archive(directory, columns=["outcome", "outcome_position", "outcome_step"])
     table = table.filter(pc.equal(table.column("outcome"), "trained"))
     if not table.num_rows:
         raise NotReplayable(f"archive {directory}: no trained group in it")
     _refuse_unpositioned(table, directory)
+    return int(pc.max(table.column("outcome_step")).as_py())
 
 
 def _refuse_unpositioned(table: pa.Table, directory: Path) -> None:

@@ -64,9 +64,9 @@ def _check(config: StreamRLConfig, run_dir: Path, options: argparse.Namespace) -
     archive = config.archive.directory(config.shared)
     if not archive.is_dir():
         raise ConfigError(f"archive.dir = {str(archive)!r}: no archive there (was the archiver running?)")
-    check_replayable(
-        archive
-    )  # NotReplayable (a ValueError): an old archive is refused before any rank starts
+    last = check_replayable(archive)  # NotReplayable (a ValueError): an old archive is refused here
+    if options.until is not None and options.until > last:
+        raise ConfigError(f"--until {options.until}: the archive's last trained step is {last}")
     if options.from_checkpoint is not None:
         checkpoint_of_step(run_dir / "checkpoints", options.from_checkpoint)  # ValueError naming the steps
         if options.until is not None and options.until < options.from_checkpoint:
