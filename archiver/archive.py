@@ -105,6 +105,10 @@ ARCHIVE_SCHEMA = pa.schema(
         ("outcome_reason", pa.string()),
         ("outcome_step", pa.int64()),  # the learner step that trained or dropped it; null otherwise
         ("learner_version", pa.int64()),  # the policy version it was trained against; null otherwise
+        # trained: its place among the groups of its step's batch, and the step's learning rate (what
+        # `streamrl replay` rebuilds the step from); null otherwise, and in archives written before they existed
+        ("outcome_position", pa.int32()),
+        ("outcome_lr", pa.float64()),
         # token staleness when trained, in lineage positions as the learner measures it (a magnitude; without
         # resumes learner_version - min_version and learner_version - mean token version)
         ("staleness_max", pa.int32()),
@@ -146,7 +150,8 @@ def _named(d: dict[str, float]) -> list[dict[str, Any]]:
 def _outcome_fields(outcome: Outcome | None, versions: np.ndarray, lineage: Lineage | None) -> dict[str, Any]:
     if outcome is None:
         return {"outcome": "pending", "outcome_reason": "", "outcome_step": None, "learner_version": None,
-                "staleness_max": None, "staleness_mean": None}  # fmt: skip
+                "outcome_position": None, "outcome_lr": None, "staleness_max": None,
+                "staleness_mean": None}  # fmt: skip
     trained = outcome.outcome == "trained" and outcome.learner_version >= 0
     lv = outcome.learner_version
     stats = staleness_stats(lv, [versions], lineage) if trained else None
@@ -155,6 +160,8 @@ def _outcome_fields(outcome: Outcome | None, versions: np.ndarray, lineage: Line
         "outcome_reason": outcome.reason,
         "outcome_step": outcome.step if outcome.step >= 0 else None,
         "learner_version": lv if lv >= 0 else None,
+        "outcome_position": outcome.position if trained and outcome.position >= 0 else None,
+        "outcome_lr": outcome.lr if trained and outcome.lr >= 0 else None,
         "staleness_max": stats.max if stats is not None else None,
         "staleness_mean": stats.mean if stats is not None else None,
     }

@@ -72,7 +72,11 @@ end
 @dataclass(frozen=True)
 class Outcome:
     """One group's final outcome (see the module docstring). ``step`` is the learner step that trained or dropped
-    it (-1 when no learner step decided: a rollout drop, a dead letter)."""
+    it (-1 when no learner step decided: a rollout drop, a dead letter). A trained group also carries what a
+    replay of the step needs (``streamrl replay``): ``position``, its place among the groups the learner trained
+    at ``step`` (the batch's order, which decides the packing and the float sums; a step retried after a
+    non-finite loss continues the count), and ``lr``, the learning rate the step trained with (-1: not
+    recorded, an outcome written before these fields existed)."""
 
     outcome: str
     step: int = -1
@@ -80,6 +84,8 @@ class Outcome:
     source: str = "learner"  # learner | rollout | consumer
     learner_version: int = -1
     entry_id: str = ""
+    position: int = -1
+    lr: float = -1.0
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:

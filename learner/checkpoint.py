@@ -63,12 +63,17 @@ class LedgerEntry:
     outcome: str  # "trained" or "dropped:<reason>"
     step: int = -1  # the learner step that trained it (or at which it was dropped)
     learner_version: int = -1  # the learner's policy version then
+    position: int = -1  # trained: its place among the groups trained at ``step`` (broker.outcomes.Outcome)
+    lr: float = -1.0  # trained: the step's learning rate
 
     def final_outcome(self) -> Outcome | None:
         """The group's durable outcome (broker.outcomes); None for a re-delivery of a group the restored
         checkpoint already contained (its outcome was recorded with that checkpoint)."""
         if self.outcome == "trained":
-            return Outcome("trained", self.step, learner_version=self.learner_version, entry_id=self.entry_id)
+            return Outcome(
+                "trained", self.step, learner_version=self.learner_version, entry_id=self.entry_id,
+                position=self.position, lr=self.lr,
+            )  # fmt: skip
         reason = self.outcome.split(":", 1)[-1]
         if reason == ALREADY_CONTAINED:
             return None

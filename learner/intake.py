@@ -122,6 +122,8 @@ class Intake:
         self.totals: dict[str, int] = {}  # groups by outcome (trained or a drop reason), since the run began
         self.sample_totals: dict[str, int] = {}  # samples by outcome
         self.step = 0  # the learner step the batch being collected goes into (ledger lines carry it)
+        self.lr = -1.0  # that step's learning rate (the trainer sets it; trained ledger lines carry it)
+        self._positions = (0, 0)  # (step, groups recorded as trained at it): each trained group's position
         self.lineage = Lineage()  # which weights each version holds (a resumed learner's is not the identity)
         self._partial: StepBatch | None = None  # collected so far when next_batch ran out of time
         self._carry: list[Delivery] = []  # fetched beyond a full step: first in line for the next one
@@ -222,9 +224,13 @@ class Intake:
         return detail
 
     def _record(self, delivery: Delivery, outcome: str) -> None:
-        self.ledger.append(
-            LedgerEntry(delivery.entry_id, delivery.group.group_id, outcome, self.step, self._version)
-        )
+        entry = LedgerEntry(delivery.entry_id, delivery.group.group_id, outcome, self.step, self._version)
+        if outcome == "trained":
+            # the batch's order, counted on across a retry of the step (a non-finite loss skips a batch)
+            step, count = self._positions if self._positions[0] == self.step else (self.step, 0)
+            entry.position, entry.lr = count, self.lr
+            self._positions = (step, count + 1)
+        self.ledger.append(entry)
         key = outcome.split(":", 1)[-1] if outcome != "trained" else "trained"
         self.totals[key] = self.totals.get(key, 0) + 1
         self.sample_totals[key] = self.sample_totals.get(key, 0) + len(delivery.group.samples)
@@ -233,6 +239,7 @@ class Intake:
         """A stop while collecting: groups already taken stay pending (unacknowledged) and are re-read after a
         restart, so their ledger lines are withdrawn."""
         unused = {d.entry_id for d in batch.deliveries}
+        self._positions = (self._positions[0], self._positions[1] - len(unused))
         self.ledger = [e for e in self.ledger if e.entry_id not in unused]
         self.totals["trained"] = self.totals.get("trained", 0) - len(unused)
         samples = sum(len(d.group.samples) for d in batch.deliveries)

@@ -338,12 +338,7 @@ class Learner:
     def _resume(self) -> None:
         """Restore the latest checkpoint (if any), acknowledge what it contains, and publish a fresh version."""
         latest = self.checkpoints.latest()
-        meta = None
-        if latest is not None:
-            meta = self.checkpoints.load(latest, self.model, self.optimizer)
-            self.step = self._checkpointed_step = meta.step
-            self.scheduler.load_state_dict(meta.scheduler)
-            log.info("resumed from %s (step %d, version %d)", latest, meta.step, meta.policy_version)
+        meta = self.restore(latest) if latest is not None else None
         published = None
         if self.info.is_main:
             published = self._call(self.policy_version.get())
@@ -364,6 +359,14 @@ class Learner:
             if self.info.is_main:
                 self._record_resume(restored, published)
             self._publish(initial=False)
+
+    def restore(self, path: Path) -> CheckpointMeta:
+        """Load the committed checkpoint at ``path`` (every rank): weights, optimizer, RNG, step and lr schedule."""
+        meta = self.checkpoints.load(path, self.model, self.optimizer)
+        self.step = self._checkpointed_step = meta.step
+        self.scheduler.load_state_dict(meta.scheduler)
+        log.info("resumed from %s (step %d, version %d)", path, meta.step, meta.policy_version)
+        return meta
 
     def _record_resume(self, restored: int, published: int) -> None:
         """Rank 0: the fresh version holds the checkpoint's weights (``restored``'s); staleness is measured by
@@ -455,6 +458,7 @@ class Learner:
         try:
             wait_slice = min(self.config.idle_check_s, self.config.pg_timeout_s / 4)
             self.intake.step = self.step + 1
+            self.intake.lr = float(self.scheduler.get_last_lr()[0])  # recorded with each trained group
             batch = None if done else self._call(self.intake.next_batch(self.version, wait_slice))
         except NotReady:
             resync = self._wants_resync()

@@ -24,6 +24,7 @@ commands:
               with --shape qwen2.5-0.5b, a model of that architecture with random weights and a BPE tokenizer
   audit RUN_DIR  account for every prompt group of a run: generated, trained, dropped, lost
   export RUN_DIR [--step N]  write a Hugging Face directory of the policy at a checkpoint, offline
+  replay RUN_DIR [--until N]  re-run the learner on the archived batches; compare with the run's checkpoints
   compose --devices N  write a docker-compose file for one GPU node from the device plan
   inspect RUN_DIR  the run's trajectory archive: rewards by step, staleness, best / worst / random samples
   eval --adversarial  score every built-in verifier's adversarial set (each case must score 0; exit 1 if not)
@@ -317,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         from streamrl.export import main as export_main
 
         return export_main(rest)
+    if name == "replay":
+        from streamrl.replay import main as replay_main
+
+        return replay_main(rest)
     if name == "compose":
         from streamrl.compose import main as compose_main
 

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 from common.configlib import ConfigError, load_config
-from learner.checkpoint import checkpoint_of_step, export_checkpoint
 from streamrl.config import StreamRLConfig
 
 
@@ -40,6 +39,9 @@ def run_config(run_dir: Path) -> StreamRLConfig:
 
 
 def main(args: list[str]) -> int:
+    # here, not at the top: torch is not for run_config's callers (streamrl replay's launcher)
+    from learner.checkpoint import checkpoint_of_step, export_checkpoint
+
     options = _parser().parse_args(args)
     run_dir = options.run_dir.resolve()
     try:

@@ -6,7 +6,8 @@ policy version). It holds the code (git commit and dirty flag of the streamrl so
 a ``note`` outside a git checkout), Python and package versions, the Redis server's version (``INFO server``),
 the model directory with the SHA-256 of every weight and tokenizer file, the task with its version, the dataset
 files with their SHA-256, the reward function's import path with the SHA-256 of its source, the SHA-256 of the
-resolved config (canonical JSON) and the machine (CPU model and count, memory, GPUs through ``torch.cuda``).
+resolved config (canonical JSON), what a replay of the run needs (:func:`replay_info`: seed, world size, threads)
+and the machine (CPU model and count, memory, GPUs through ``torch.cuda``).
 
 A resume (any later ``up`` of the same run directory) appends an entry to ``resumes`` with what it found then,
 and never rewrites the original. Before it starts anything, :func:`changes` compares the model (weights and
@@ -346,6 +347,7 @@ def run_record(cfg: Any, argv: list[str] | None = None, now: float | None = None
         "datasets": dataset_files(task_options),
         "reward": reward_info(cfg.rollout.reward.function, cfg.rollout.task.name),
         "config_sha256": config_sha256(cfg),
+        "replay": replay_info(cfg),
         "ended_at": None,
         "exit_status": None,
         "final_step": None,
@@ -361,6 +363,18 @@ def run_record(cfg: Any, argv: list[str] | None = None, now: float | None = None
     if extra:
         record["other_models"] = extra
     return record
+
+
+def replay_info(cfg: Any) -> dict[str, Any]:
+    """What ``streamrl replay`` needs beside the code (``code``), torch (``packages``) and the archive: the config
+    file it reads (RUN_DIR/config.toml, whose digest is ``config_sha256``), the learner's seed, its world size and
+    each rank's torch threads (float sums depend on how the work is split)."""
+    return {
+        "config_file": "config.toml",
+        "learner_seed": cfg.learner.seed,
+        "learner_world_size": cfg.learner.world_size,
+        "torch_threads": cfg.shared.torch_threads,
+    }
 
 
 def new_manifest(record: Mapping[str, Any], run_dir: Path | str, run_id: str | None = None) -> dict[str, Any]:

@@ -27,7 +27,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "pypro
 
 # `streamrl` sub-commands with an argument parser of their own (not the config tree), and those the test cannot
 # parse without running them: `model init` parses its options inside the model build, `audit` takes one path.
-OWN_PARSER = {"inspect", "export", "compose"}
+OWN_PARSER = {"inspect", "export", "compose", "replay"}
 NOT_PARSED = {"model", "audit"}
 FIELDS = {name for name, _, _, _ in iter_fields(StreamRLConfig)}
 # a text field takes a placeholder as it is (a required one, like openenv's env_url, must be given to parse)
@@ -190,10 +190,11 @@ def _parse_own(name: str, rest: list[str]) -> None:
         from streamrl.inspect import parse_args
 
         parse_args(_sample_values(rest))
-    elif name == "export":
-        from streamrl.export import _parser
+    elif name in ("export", "replay"):
+        from streamrl.export import _parser as export_parser
+        from streamrl.replay import _parser as replay_parser
 
-        _parser().parse_args(_sample_values(rest))
+        (export_parser if name == "export" else replay_parser)().parse_args(_sample_values(rest))
     else:  # compose: --devices N and --out FILE are its own, the rest are config overrides (compose.main)
         own = {"--devices", "--out"}
         skip = {i + 1 for i, a in enumerate(rest) if a in own} | {i for i, a in enumerate(rest) if a in own}

@@ -85,6 +85,7 @@ TORCH_FREE = (
     "streamrl.config",
     "streamrl.cli",
     "streamrl.up",
+    "streamrl.replay",  # the launcher of the replay's ranks
     "rollout_fleet.generate_client",
     "archiver.archive",
     "learner.main",

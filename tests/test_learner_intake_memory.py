@@ -148,6 +148,28 @@ async def test_acknowledging_a_checkpoint_records_outcomes_and_trims() -> None:
     assert await learner.intake.acknowledge(learner.intake.ledger) == 0  # a retried acknowledgement
 
 
+async def test_a_trained_outcome_records_its_place_in_the_batch_and_the_steps_lr() -> None:
+    """What `streamrl replay` rebuilds a step from: the batch's order (oldest first here, not the stream's) and
+    the lr; a step tried again after a non-finite loss continues its count."""
+    learner = Learner("oldest_first")
+    await learner.produce(*(group(i, v) for i, v in ARRIVALS), group(5, 2))
+    learner.intake.lr = 0.25
+    assert await steps(learner, [2, 3]) == [[2, 0], [1, 3]]
+    learner.intake.lr = 0.5  # (a real retry has the same lr: this one tells the two batches apart)
+    retry = await learner.intake.next_batch(3, max_wait_s=2)  # step 1 again: its batch was skipped
+    assert retry is not None and [g.prompt_index for g in retry.groups] == [4, 5]
+    await learner.intake.acknowledge(learner.intake.ledger)
+    placed = {i: learner.stream.outcomes[group(i, v).group_id] for i, v in [*ARRIVALS, (5, 2)]}
+    assert {i: (o.step, o.position, o.lr) for i, o in placed.items()} == {
+        2: (0, 0, 0.25),
+        0: (0, 1, 0.25),
+        1: (1, 0, 0.25),
+        3: (1, 1, 0.25),
+        4: (1, 2, 0.5),
+        5: (1, 3, 0.5),
+    }
+
+
 def test_a_staleness_manager_stands_for_its_counters() -> None:
     counters = InMemoryCounters()
     manager = StalenessManager(ETA, 2, 100, counters)

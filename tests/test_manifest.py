@@ -139,8 +139,10 @@ def test_run_record_of_a_dataset_run(tmp_path: Path) -> None:
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     cfg = config_of(tmp_path / "run", fake_model(tmp_path / "model"), "--rollout.task.name=dataset",
-                    f"--rollout.task.dataset={data}")  # fmt: skip
+                    f"--rollout.task.dataset={data}", "--learner.seed=7", "--learner.world_size=3")  # fmt: skip
     record = m.run_record(cfg, argv=["streamrl", "up"])
+    assert record["replay"] == {"config_file": "config.toml", "learner_seed": 7, "learner_world_size": 3,
+                                "torch_threads": 1}  # fmt: skip
     assert record["datasets"] == {"dataset": {"path": str(data), "sha256": m.sha256_file(data), "bytes": 34}}
     assert m.dataset_files({"system_prompt": "x" * 5000, "instruction": "a\x00b", "dataset": str(data)}) == {
         "dataset": record["datasets"]["dataset"]
