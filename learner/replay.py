@@ -28,7 +28,7 @@ from learner.checkpoint import model_state_from_checkpoint
 from learner.config import LearnerConfig
 from learner.distributed import DistInfo
 from learner.intake import StepBatch
-from learner.publish import Publication
+from learner.publish import Publication, VersionOnlyPublisher
 from learner.trainer import Learner
 
 log = logging.getLogger("streamrl.learner")
@@ -43,23 +43,11 @@ class ArchivedStep(Protocol):
     groups: list[TrajectoryGroup]
 
 
-class NoPublisher:
+class NoPublisher(VersionOnlyPublisher):
     """Replay publishes nothing: no version is announced, no engine is updated."""
 
     def publish(self, model: nn.Module, version: int, initial: bool) -> Publication:
         return Publication(announce=False)
-
-    def before_train(self) -> None:
-        pass
-
-    def after_train(self, model: nn.Module, version: int) -> None:
-        pass
-
-    def wants_resync(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass
