@@ -11,17 +11,22 @@ stored first in a key of its own that expires after ``payload_ttl_s``; the scrip
 Passing a payload of a megabyte through Lua costs two extra copies on the single-threaded server (measured:
 Lua XADD takes twice a plain XADD's server time); the reference keeps the atomic script small. When the backlog is at its bound the script adds nothing and
 answers WAIT; the producer then sleeps ``backpressure_poll_s`` and tries again, showing in the metrics that it
-waits and why. An entry is never trimmed by length and never dropped once accepted.
+waits and why. A server at its ``maxmemory`` (policy noeviction: the embedded server's) refuses the script's
+first write; the producer takes that as the same kind of wait (``FULL``: nothing was written, it logs why,
+since the counters cannot be written either) and raises :class:`BackpressureTimeout` naming maxmemory only after
+``backpressure_timeout_s``. An entry is never trimmed by length and never dropped once accepted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 import uuid
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from broker.admission import DONE_LUA, DispatchKeys
 from broker.client import BrokerKeys
@@ -30,6 +35,15 @@ from broker.config import BrokerConfig
 from broker.metrics import producer_field
 from broker.record import SCHEMA_VERSION, TrajectoryGroup
 from common.config import SharedConfig
+
+log = logging.getLogger("streamrl.producer")
+FULL = b"FULL"  # the server is at its maxmemory and refused the send's first write: a wait, as WAIT is
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A Redis server at its maxmemory (policy noeviction) refusing a write that needs memory."""
+    return isinstance(exc, ResponseError) and "maxmemory" in str(exc)
+
 
 _SEND = (
     DONE_LUA
@@ -120,6 +134,7 @@ class Producer:
         )
         self.waits = 0  # sends that had to wait for back-pressure
         self.wait_s = 0.0
+        self.full_waits = 0  # of those, waits for a server at its maxmemory
 
     async def send(self, group: TrajectoryGroup, position: int | None = None) -> str:
         """Validate and encode ``group``, add it once (idempotent by group id), waiting while the backlog is at
@@ -164,21 +179,19 @@ class Producer:
         try:
             while True:
                 status, value = await self._call(keys, args, (ref, payload) if store else None)
-                store = status == b"NOPAYLOAD"  # expired during a very long wait: store it again
-                if store:
+                if status == b"NOPAYLOAD":  # expired during a very long wait: store it again
                     continue
-                if status != b"WAIT":
+                store = by_ref and status == FULL  # the payload's SET was refused too
+                if status not in (b"WAIT", FULL):
                     break
                 if waited_since is None:
                     waited_since = time.monotonic()
-                    await self._mark_waiting(int(value))
+                    await self._mark_waiting(int(value) if status == b"WAIT" else -1, status)
                 elif time.monotonic() - waited_since > self.config.backpressure_timeout_s:
                     if by_ref:
-                        await self.client.unlink(ref)
-                    raise BackpressureTimeout(
-                        f"group {group_id!r}: backlog stayed at max_backlog = {self.config.max_backlog} "
-                        f"for {self.config.backpressure_timeout_s}s; nothing was added"
-                    )
+                        with contextlib.suppress(ResponseError):
+                            await self.client.unlink(ref)
+                    raise BackpressureTimeout(f"group {group_id!r}: {self._why(status)}; nothing was added")
                 await asyncio.sleep(self.config.backpressure_poll_s)
         finally:
             if waited_since is not None:
@@ -191,22 +204,40 @@ class Producer:
             self.sent += 1
         return value.decode()
 
-    async def _call(self, keys: list, args: list, store: tuple[str, bytes] | None) -> tuple[bytes, bytes]:
-        """Run the send script, preceded in the same round trip by the SET of a by-reference payload."""
-        if store is None:
-            return await self._send(keys=keys, args=args)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(store[0], store[1], ex=self.config.payload_ttl_s)
-        pipe.evalsha(self._send.sha, len(keys), *keys, *args)
-        _, res = await pipe.execute(raise_on_error=False)
-        if isinstance(res, NoScriptError):  # a restarted server lost its script cache
-            return await self._send(keys=keys, args=args)
-        if isinstance(res, Exception):
-            raise res
-        return res
+    def _why(self, status: bytes) -> str:
+        timeout = self.config.backpressure_timeout_s
+        if status == FULL:
+            return f"Redis stayed at its maxmemory (writes refused) for {timeout}s"
+        return f"backlog stayed at max_backlog = {self.config.max_backlog} for {timeout}s"
 
-    async def _mark_waiting(self, backlog: int) -> None:
+    async def _call(self, keys: list, args: list, store: tuple[str, bytes] | None) -> tuple[bytes, bytes]:
+        """Run the send script, preceded in the same round trip by the SET of a by-reference payload. A server
+        at its maxmemory (policy noeviction) refuses the first write of either: that answers ``FULL``, a wait
+        like the backlog's, not an error (nothing was written: a script refused at its first write stops)."""
+        try:
+            if store is None:
+                return await self._send(keys=keys, args=args)
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(store[0], store[1], ex=self.config.payload_ttl_s)
+            pipe.evalsha(self._send.sha, len(keys), *keys, *args)
+            stored, res = await pipe.execute(raise_on_error=False)
+            if isinstance(res, NoScriptError):  # a restarted server lost its script cache
+                return await self._send(keys=keys, args=args)
+            for outcome in (res, stored):
+                if isinstance(outcome, Exception):
+                    raise outcome
+            return res
+        except ResponseError as exc:
+            if not is_out_of_memory(exc):
+                raise
+            return FULL, b""
+
+    async def _mark_waiting(self, backlog: int, status: bytes = b"WAIT") -> None:
         self.waits += 1
+        if status == FULL:  # the counters cannot be written either: the log says why the producer waits
+            self.full_waits += 1
+            log.warning("producer %s: Redis is at its maxmemory, waiting to add a group", self.producer_id)
+            return
         f = self.keys.counters
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(
@@ -228,4 +259,8 @@ class Producer:
         pipe.hset(f, producer_field(self.producer_id, "waiting"), "")
         pipe.hincrbyfloat(f, producer_field(self.producer_id, "wait_s"), seconds)
         pipe.hincrbyfloat(f, "backpressure_wait_s", seconds)
-        await pipe.execute()
+        try:
+            await pipe.execute()
+        except ResponseError as exc:  # still full (a timed-out wait): the counters wait for the next send
+            if not is_out_of_memory(exc):
+                raise

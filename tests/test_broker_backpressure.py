@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
+from redis.exceptions import ResponseError
 
 from broker.client import BrokerKeys, connect
 from broker.config import BrokerConfig
@@ -123,3 +125,40 @@ async def test_backpressure_timeout_adds_nothing_and_leaves_no_payload(redis_url
     snap = await BrokerMetrics(client, SHARED, cfg).snapshot()
     assert snap["producers"]["w0"]["waiting"] == "" and snap["producers"]["w0"]["waits"] == 1
     await client.aclose()
+
+
+async def test_a_redis_at_its_maxmemory_is_waited_out_not_an_error(redis_url: str) -> None:
+    """The server refuses writes at its maxmemory (noeviction): a send waits (inline and by reference) instead of
+    failing, adds its group once memory is back, and gives up only after backpressure_timeout_s, adding nothing."""
+    # the small group (814 bytes) goes inline, the large one (8,366 bytes) by reference
+    cfg = BrokerConfig(backpressure_poll_s=0.02, backpressure_timeout_s=30.0, inline_max_bytes=4096)
+    client = connect(redis_url, cfg)
+    configured = (await client.config_get("maxmemory"))["maxmemory"]
+    keys = BrokerKeys.of(SHARED, cfg)
+    await Consumer(client, SHARED, cfg, "c").ensure_group()
+    for i in range(32):  # 2 MB of other data, then a maxmemory below what the server holds: it is full
+        await client.set(f"fill:{i}", b"x" * 65536)
+    used = int((await client.info("memory"))["used_memory"])
+    await client.config_set("maxmemory", used - (1 << 20))
+    try:
+        with pytest.raises(ResponseError, match="maxmemory"):
+            await client.set("one:more", b"x")
+        producer = Producer(client, SHARED, cfg, "full")
+        small, large = group(900), synthetic_group(np.random.default_rng(1), prompt_index=901, num_tokens=64)
+        sends = [asyncio.create_task(producer.send(g)) for g in (small, large)]
+        while producer.full_waits < 2:
+            assert not any(t.done() for t in sends), [t.exception() for t in sends if t.done()]
+            await asyncio.sleep(0.02)
+        assert await client.xlen(keys.stream) == 0
+        await client.delete(*[f"fill:{i}" for i in range(32)])  # memory back: both go in, once each
+        ids = await asyncio.gather(*sends)
+        assert len(set(ids)) == 2 and await client.xlen(keys.stream) == 2
+        # a server that stays full: the send gives up after its timeout, naming maxmemory, having added nothing
+        await client.config_set("maxmemory", int((await client.info("memory"))["used_memory"]) // 2)
+        impatient = Producer(client, SHARED, cfg.model_copy(update={"backpressure_timeout_s": 0.3}), "late")
+        with pytest.raises(BackpressureTimeout, match="maxmemory"):
+            await impatient.send(group(902))
+        assert await client.xlen(keys.stream) == 2
+    finally:
+        await client.config_set("maxmemory", configured)
+        await client.aclose()
