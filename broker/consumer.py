@@ -103,8 +103,11 @@ for i = 1, n do
     end
     ref = entry_ref
   end
+  -- XACK first: it needs no memory, and a script that has written is never refused later, so a server at its
+  -- maxmemory still takes acknowledgements (which is how its memory comes back); HSET first would be refused
+  local acked = redis.call('XACK', KEYS[1], ARGV[1], id) == 1
   if doc ~= '' and gid ~= '' then record_outcome(KEYS[6], KEYS[7], gid, doc) end
-  if redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
+  if acked then
     done = done + 1
     if gid ~= '' then
       if ARGV[2] == 'ack' then redis.call('SADD', KEYS[4], gid) end
@@ -178,6 +181,7 @@ if #rows == tonumber(ARGV[1]) then
   local ms, seq = parse(rows[#rows][1])
   minid = string.format('%d-%d', ms, seq + 1)
 end
+local retired = {}
 for _, row in ipairs(rows) do
   local gid, pos = '', ''
   local f = row[2]
@@ -185,9 +189,13 @@ for _, row in ipairs(rows) do
     if f[j] == 'gid' then gid = f[j + 1] end
     if f[j] == 'pos' then pos = f[j + 1] end
   end
-  if gid ~= '' then redis.call('RPUSH', KEYS[2], gid .. '|' .. pos .. '|' .. row[1]) end
+  if gid ~= '' then retired[#retired + 1] = gid .. '|' .. pos .. '|' .. row[1] end
 end
-return redis.call('XTRIM', KEYS[1], 'MINID', minid)
+-- XTRIM first: it frees memory, and a script that has written is never refused later, so a server at its
+-- maxmemory still trims; an RPUSH first would be refused
+local trimmed = redis.call('XTRIM', KEYS[1], 'MINID', minid)
+for _, item in ipairs(retired) do redis.call('RPUSH', KEYS[2], item) end
+return trimmed
 """
 )
 

@@ -13,6 +13,7 @@ from broker.client import BrokerKeys, connect
 from broker.config import BrokerConfig
 from broker.consumer import Consumer
 from broker.metrics import BrokerMetrics
+from broker.outcomes import Outcome, read_outcomes
 from broker.producer import BackpressureTimeout, Producer
 from broker.record import synthetic_group
 from common.config import SharedConfig
@@ -135,7 +136,10 @@ async def test_a_redis_at_its_maxmemory_is_waited_out_not_an_error(redis_url: st
     client = connect(redis_url, cfg)
     configured = (await client.config_get("maxmemory"))["maxmemory"]
     keys = BrokerKeys.of(SHARED, cfg)
-    await Consumer(client, SHARED, cfg, "c").ensure_group()
+    consumer = Consumer(client, SHARED, cfg, "c")
+    await consumer.ensure_group()
+    await Producer(client, SHARED, cfg, "early").send(group(899))
+    [delivery] = await consumer.read(count=1, block_ms=10)
     for i in range(32):  # 2 MB of other data, then a maxmemory below what the server holds: it is full
         await client.set(f"fill:{i}", b"x" * 65536)
     used = int((await client.info("memory"))["used_memory"])
@@ -143,6 +147,13 @@ async def test_a_redis_at_its_maxmemory_is_waited_out_not_an_error(redis_url: st
     try:
         with pytest.raises(ResponseError, match="maxmemory"):
             await client.set("one:more", b"x")
+        # the learner's acknowledgement (with its outcome) still goes through: it is what frees memory
+        outcome = Outcome("trained", step=1, learner_version=1, entry_id=delivery.entry_id)
+        assert await consumer.ack([delivery.entry_id], [(delivery.group.group_id, outcome)]) == 1
+        assert (await read_outcomes(client, keys))[delivery.group.group_id].outcome == "trained"
+        assert (
+            await consumer.trim() == 1
+        )  # and so does the trim that follows it (the entry leaves the stream)
         producer = Producer(client, SHARED, cfg, "full")
         small, large = group(900), synthetic_group(np.random.default_rng(1), prompt_index=901, num_tokens=64)
         sends = [asyncio.create_task(producer.send(g)) for g in (small, large)]
