@@ -179,9 +179,10 @@ class Producer:
         try:
             while True:
                 status, value = await self._call(keys, args, (ref, payload) if store else None)
-                if status == b"NOPAYLOAD":  # expired during a very long wait: store it again
+                # stored again on the next call: expired during a very long wait, or its SET refused when full
+                store = status == b"NOPAYLOAD" or (by_ref and status == FULL)
+                if status == b"NOPAYLOAD":
                     continue
-                store = by_ref and status == FULL  # the payload's SET was refused too
                 if status not in (b"WAIT", FULL):
                     break
                 if waited_since is None:

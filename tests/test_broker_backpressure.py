@@ -173,3 +173,32 @@ async def test_a_redis_at_its_maxmemory_is_waited_out_not_an_error(redis_url: st
     finally:
         await client.config_set("maxmemory", configured)
         await client.aclose()
+
+
+async def test_a_payload_that_expires_during_a_wait_is_stored_again(redis_url: str) -> None:
+    """A by-reference send whose stored payload expires between two polls (each WAIT renews its ttl; a poll
+    interval past the ttl lets it lapse): the script answers NOPAYLOAD, the producer stores it again and the
+    group is added whole once the backlog has room."""
+    cfg = BrokerConfig(max_backlog=1, backpressure_poll_s=1.5, inline_max_bytes=256, payload_ttl_s=1)
+    client = connect(redis_url, cfg)
+    keys = BrokerKeys.of(SharedConfig(run_id="ttl"), cfg)
+    consumer = Consumer(client, SharedConfig(run_id="ttl"), cfg, "c")
+    await consumer.ensure_group()
+    producer = Producer(client, SharedConfig(run_id="ttl"), cfg, "w0")
+    await producer.send(group(11))
+    late = group(12)
+    task = asyncio.create_task(producer.send(late))
+    while not producer.waits:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(2.0)  # past the payload's ttl while the backlog is full: at least one NOPAYLOAD
+    assert not task.done()
+    [first] = await consumer.read(count=1, block_ms=10)
+    await consumer.ack([first.entry_id])
+    entry_id = await asyncio.wait_for(task, 30)
+    [second] = await consumer.read(count=1, block_ms=1000)
+    assert second.entry_id == entry_id and second.group.group_id == late.group_id
+    assert [s.output_ids.tolist() for s in second.group.samples] == [
+        s.output_ids.tolist() for s in late.samples
+    ]
+    assert await client.xlen(keys.stream) == 2
+    await client.aclose()
