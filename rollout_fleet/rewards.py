@@ -33,7 +33,7 @@ import resource
 import sys
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -54,15 +54,8 @@ class SampleLength:
     output_tokens: int
     max_output_tokens: int
 
-    def as_kwargs(self) -> dict[str, Any]:
-        return {
-            "truncated": self.truncated,
-            "output_tokens": self.output_tokens,
-            "max_output_tokens": self.max_output_tokens,
-        }
 
-
-LENGTH_ARGUMENTS = ("truncated", "output_tokens", "max_output_tokens")
+LENGTH_ARGUMENTS = tuple(f.name for f in fields(SampleLength))  # the keyword arguments a function may name
 
 
 def overlong_penalty(output_tokens: int, max_output_tokens: int, buffer: int, factor: float) -> float:
@@ -105,7 +98,7 @@ def length_arguments(fn: Callable[..., Any]) -> tuple[str, ...]:
 def _length_kwargs(length: SampleLength | None, takes: tuple[str, ...]) -> dict[str, Any]:
     if length is None:
         return {}
-    return {k: v for k, v in length.as_kwargs().items() if k in takes}
+    return {k: v for k, v in asdict(length).items() if k in takes}
 
 
 def normalize(value: Any, scorer: str) -> tuple[float, dict[str, float]]:

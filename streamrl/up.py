@@ -3,9 +3,9 @@
 Order of start (each stage waits for the previous one to be ready): Redis and the engines side by side, the
 archiver (and an sglang-router), a held-out evaluation of the starting policy, the learner (ready once it has
 published version 0 to the engines; on a fresh disaggregated run it starts during that evaluation), then the
-rollout workers, the evaluator (unless ``eval.every_versions`` is 0) and the dashboard. The run ends when the learner reaches ``learner.max_steps`` (then the final policy is
-evaluated through the engines and ``RUN_DIR/summary.json`` written), when a role has died more often than its
-restart budget (``up.*_restarts`` within ``up.restart_window_s``; the others are stopped and the reason
+rollout workers, the evaluator (unless ``eval.every_versions`` is 0) and the dashboard. The run ends when the
+learner reaches ``learner.max_steps`` (then the final policy is evaluated through the engines and
+``RUN_DIR/summary.json`` written), when a role has died more often than its restart budget (``up.*_restarts`` within ``up.restart_window_s``; the others are stopped and the reason
 printed), or on SIGTERM / Ctrl-C (every role drains and checkpoints). Every role is restarted when it dies: Redis
 on its own port and AOF (clients reconnect), an engine (the learner brings it back to the current policy before
 it serves rollouts), the learner from its last durable checkpoint, the rollout workers, the evaluator and the
